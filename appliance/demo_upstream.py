@@ -1,0 +1,201 @@
+"""Real servers that stand in for providers and "the internet" in the demo and the tests.
+
+They are real TLS/HTTP servers on loopback (or inside a test's own network namespace), built on
+the standard library so they share no code with the proxy under test. Each records what it
+received, so a test can assert, for example, that the upstream saw the appliance's key and never
+the agent's.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    headers: dict[str, list[str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        values = self.headers.get(name.lower())
+        return values[0] if values else None
+
+    def all(self, name: str) -> list[str]:
+        return self.headers.get(name.lower(), [])
+
+
+@dataclass
+class FakeServer:
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+    tls: bool
+    received: list[Received] = field(default_factory=list)
+    connections: int = 0
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def clear(self) -> None:
+        self.received.clear()
+
+    def last(self) -> Received:
+        assert self.received, "the fake upstream received nothing"
+        return self.received[-1]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+SSE_EVENTS = [
+    ("message_start", {"type": "message_start", "message": {
+        "id": "msg_fake", "type": "message", "role": "assistant", "model": "claude-fake",
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 3, "output_tokens": 1}}}),
+    ("content_block_start", {"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "Hello from the "}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "fake provider."}}),
+    ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn",
+                                                          "stop_sequence": None},
+                       "usage": {"output_tokens": 5}}),
+    ("message_stop", {"type": "message_stop"}),
+]
+
+
+def anthropic_message(text: str = "Hello from the fake provider.") -> dict[str, Any]:
+    return {
+        "id": "msg_fake", "type": "message", "role": "assistant", "model": "claude-fake",
+        "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+        "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 5},
+    }
+
+
+def openai_completion() -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-fake", "object": "chat.completion", "created": 1700000000,
+        "model": "gpt-fake",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": "Hello from fake OpenAI."}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    fake: FakeServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _record(self) -> bytes:
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else b""
+        headers: dict[str, list[str]] = {}
+        for name, value in self.headers.items():
+            headers.setdefault(name.lower(), []).append(value)
+        self.fake.received.append(Received(self.command, self.path, headers, body))
+        return body
+
+    def _json(self, status: int, obj: Any, extra: dict[str, str] | None = None) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        for name, value in (extra or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _sse(self, events: list[tuple[str, Any]], delay: float) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("cache-control", "no-cache")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        for name, data in events:
+            payload = f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+            self.wfile.flush()
+            if delay:
+                time.sleep(delay)
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._record()
+        self._json(200, {"ok": True})
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._record()
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        if url.path == "/redirect":
+            self.send_response(302)
+            self.send_header("location", query["to"][0])
+            self.send_header("content-length", "0")
+            self.end_headers()
+        elif url.path == "/sse":
+            count = int(query.get("n", ["5"])[0])
+            delay = float(query.get("delay", ["0.2"])[0])
+            self._sse([("tick", {"i": i}) for i in range(count)], delay)
+        elif url.path == "/size":
+            size = int(query.get("n", ["1024"])[0])
+            data = b"x" * size
+            self.send_response(200)
+            self.send_header("content-length", str(size))
+            self.end_headers()
+            self.wfile.write(data)
+        else:
+            self._json(200, {"path": self.path, "host": self.headers.get("host")})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self._record()
+        url = urlsplit(self.path)
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            request = {}
+        if url.path.endswith("/v1/messages"):
+            if request.get("stream"):
+                self._sse(SSE_EVENTS, 0.0)
+            else:
+                self._json(200, anthropic_message())
+        elif url.path.endswith("/chat/completions"):
+            self._json(200, openai_completion())
+        elif ":generateContent" in url.path:
+            self._json(200, {"candidates": [{"content": {"parts": [{"text": "Hello from "
+                              "fake Gemini."}], "role": "model"}, "finishReason": "STOP"}]})
+        else:
+            self._json(200, {"path": self.path, "length": len(body)})
+
+    do_PUT = do_POST
+    do_DELETE = do_GET
+
+
+def start_fake(host: str = "127.0.0.1", port: int = 0,
+               tls_context: ssl.SSLContext | None = None) -> FakeServer:
+    handler = type("Handler", (_Handler,), {})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    if tls_context is not None:
+        server.socket = tls_context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    fake = FakeServer(server, thread, tls_context is not None)
+    handler.fake = fake  # type: ignore[attr-defined]
+    thread.start()
+    return fake

@@ -1,0 +1,221 @@
+"""The proxy core's configuration: one TOML file parsed into frozen msgspec Structs.
+
+Theory of operation: the TOML text is decoded by `msgspec.toml` straight into the Struct tree
+below with `forbid_unknown_fields`, so a typo is an error that names the key (msgspec reports the
+path, e.g. ``$.crew[0].mdoe``). Values that a type cannot express (a CIDR, a URL, a host name) are
+checked afterwards by `validate`, which names the key the same way. Nothing here opens a socket or
+reads a credential: credentials are loaded by `load_credentials`, and their values never appear in
+an error message or a repr.
+
+Everything is frozen: the running proxy swaps whole objects, it never mutates shared config.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import urllib.parse
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from .errors import ConfigError
+from .policy import Allowlist, NetworkMode, normalize_host, parse_mode
+from .ssrf import AddressGuard
+
+# Documented defaults, compared with other servers in docs/limits.md.
+DEFAULT_PORT = 9119
+MAX_BODY_BYTES = 10 * 1024 * 1024
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class ListenConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    port: Port = DEFAULT_PORT
+    # Extra addresses to listen on besides every crew's gateway address.
+    addresses: tuple[str, ...] = ()
+    workers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    backlog: PositiveInt = 1024
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_body_bytes: PositiveInt = MAX_BODY_BYTES
+    max_request_line: PositiveInt = 8192
+    max_header_count: PositiveInt = 100
+    max_header_bytes: PositiveInt = 32768
+    # Slowloris: a request head (or the next one on a kept-alive connection) must arrive whole
+    # within this many seconds.
+    head_timeout: PositiveFloat = 15.0
+    # Any single read of a request body or an upstream response.
+    read_timeout: PositiveFloat = 120.0
+    idle_keepalive_timeout: PositiveFloat = 60.0
+    connect_timeout: PositiveFloat = 10.0
+    tunnel_idle_timeout: PositiveFloat = 300.0
+    max_connections: PositiveInt = 4096
+    upstream_pool_per_host: PositiveInt = 32
+
+
+class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    # The gateway address the crew's traffic arrives on: the crew identity (it cannot be forged
+    # from inside the crew's network namespace).
+    gateway: str
+    mode: str | None = None
+    allow: tuple[str, ...] = ()
+
+
+class ProviderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    base_url: str | None = None
+    # Exactly one credential source, or none (then nothing is injected for that provider).
+    credential_env: str | None = None
+    credential_file: str | None = None
+
+
+class ProvidersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    anthropic: ProviderConfig = ProviderConfig()
+    openai: ProviderConfig = ProviderConfig()
+    google: ProviderConfig = ProviderConfig()
+
+
+class UpstreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Extra CA bundle trusted for upstream TLS, on top of the system store (tests use a test CA).
+    ca_file: str | None = None
+    # Replace the system store entirely with ca_file.
+    ca_file_only: bool = False
+    # Operator-approved destination ranges that the SSRF guard would otherwise refuse.
+    ssrf_allow: tuple[str, ...] = ()
+    # Split-horizon DNS: host name -> address, consulted before the system resolver.
+    resolve: dict[str, str] = {}
+
+
+class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # JSON-lines file; "-" is standard error; None disables the sink.
+    path: str | None = None
+    flush_interval: PositiveFloat = 0.2
+    max_batch: PositiveInt = 1024
+    max_pending: PositiveInt = 100_000
+
+
+class ControlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # A Unix socket (mode 0600) on which the control plane sends typed messages, e.g. to add an
+    # allowlist entry at run time. Never reachable from a crew.
+    socket: str | None = None
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    crew: tuple[CrewConfig, ...] = ()
+    listen: ListenConfig = ListenConfig()
+    limits: LimitsConfig = LimitsConfig()
+    providers: ProvidersConfig = ProvidersConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    events: EventsConfig = EventsConfig()
+    control: ControlConfig = ControlConfig()
+
+
+DEFAULT_BASE_URLS = {
+    "anthropic": "https://api.anthropic.com",
+    "openai": "https://api.openai.com",
+    "google": "https://generativelanguage.googleapis.com",
+}
+
+
+def parse_config(text: str | bytes, *, source: str = "<config>") -> ProxyConfig:
+    """Decode and validate TOML text; every error is a ConfigError naming the key."""
+    try:
+        config = msgspec.toml.decode(text, type=ProxyConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    validate(config, source=source)
+    return config
+
+
+def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    return parse_config(text, source=str(path))
+
+
+def validate(config: ProxyConfig, *, source: str) -> list[str]:
+    """Check what types cannot; returns warnings (e.g. unknown network mode -> restricted)."""
+    warnings: list[str] = []
+
+    def fail(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{source}: `{key}`: {why}")
+
+    seen_names: set[str] = set()
+    seen_gateways: set[str] = set()
+    for index, crew in enumerate(config.crew):
+        key = f"crew[{index}]"
+        if not crew.name or len(crew.name) > 63 or not crew.name.replace("-", "").isalnum():
+            raise fail(f"{key}.name", "must be 1-63 letters, digits or '-'")
+        if crew.name in seen_names:
+            raise fail(f"{key}.name", f"duplicate crew name {crew.name!r}")
+        seen_names.add(crew.name)
+        try:
+            gateway = str(ipaddress.ip_address(crew.gateway))
+        except ValueError:
+            raise fail(f"{key}.gateway", f"not an IP address: {crew.gateway!r}") from None
+        if gateway in seen_gateways:
+            raise fail(f"{key}.gateway", f"gateway {gateway} is used by two crews")
+        seen_gateways.add(gateway)
+        _, warning = parse_mode(crew.mode)
+        if warning:
+            warnings.append(f"{source}: `{key}.mode`: {warning}")
+        for j, host in enumerate(crew.allow):
+            try:
+                normalize_host(host)
+            except Exception:
+                raise fail(f"{key}.allow[{j}]", f"not a valid host name: {host!r}") from None
+    for index, address in enumerate(config.listen.addresses):
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise fail(f"listen.addresses[{index}]", f"not an IP address: {address!r}") from None
+    for name in DEFAULT_BASE_URLS:
+        provider: ProviderConfig = getattr(config.providers, name)
+        if provider.base_url is not None:
+            _check_base_url(provider.base_url, f"providers.{name}.base_url", fail)
+        if provider.credential_env and provider.credential_file:
+            raise fail(f"providers.{name}", "set credential_env or credential_file, not both")
+    try:
+        AddressGuard(config.upstream.ssrf_allow)
+    except ValueError as exc:
+        raise fail("upstream.ssrf_allow", str(exc)) from None
+    for host, address in config.upstream.resolve.items():
+        try:
+            normalize_host(host)
+            ipaddress.ip_address(address)
+        except Exception:
+            raise fail(f"upstream.resolve.{host}", f"needs a host name and an IP address, got {address!r}") from None
+    if config.upstream.ca_file_only and not config.upstream.ca_file:
+        raise fail("upstream.ca_file_only", "needs upstream.ca_file")
+    return warnings
+
+
+def _check_base_url(url: str, key: str, fail: object) -> None:
+    assert callable(fail)
+    parsed = urllib.parse.urlsplit(url)
+    # Credentials only ever travel over verified TLS, so a provider base URL must be https.
+    if parsed.scheme != "https":
+        raise fail(key, f"must be an https:// URL, got {url!r}")
+    if not parsed.hostname or parsed.query or parsed.fragment or parsed.username:
+        raise fail(key, f"must be https://host[:port][/path], got {url!r}")
+    try:
+        normalize_host(parsed.hostname)
+        _ = parsed.port
+    except Exception:
+        raise fail(key, f"bad host or port in {url!r}") from None
+
+
+def crew_policy(crew: CrewConfig) -> tuple[NetworkMode, Allowlist]:
+    from .policy import DEFAULT_ALLOWED_HOSTS
+
+    mode, _ = parse_mode(crew.mode)
+    return mode, Allowlist([*DEFAULT_ALLOWED_HOSTS, *crew.allow])

@@ -1,0 +1,54 @@
+"""The proxy core's exceptions.
+
+`ProxyError` is the base of every exception the data plane raises on purpose and is never raised
+directly. Wire errors carry the HTTP status they map to (`status_hint`, after h11's
+`error_status_hint`) so the connection adapter can answer the agent with a readable refusal
+instead of a silent close.
+"""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    """Base of the proxy core's exceptions; never raised directly."""
+
+    status_hint: int = 500
+
+    def __init__(self, message: str, *, status_hint: int | None = None) -> None:
+        super().__init__(message)
+        if status_hint is not None:
+            self.status_hint = status_hint
+
+
+class HttpProtocolError(ProxyError):
+    """The peer sent bytes that are not a message we are willing to read.
+
+    Raised by the sans-IO parser; anything ambiguous (duplicate framing headers, obs-fold,
+    bare LF) lands here too, because a second reading of the same bytes is how smuggling works.
+    """
+
+    status_hint = 400
+
+
+class ConfigError(ProxyError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+class PolicyDenied(ProxyError):
+    """The network policy or the SSRF guard refused a destination.
+
+    `rule` is a stable, machine-readable name of the rule that refused (shown to the agent).
+    """
+
+    status_hint = 403
+
+    def __init__(self, message: str, *, host: str, rule: str) -> None:
+        super().__init__(message)
+        self.host = host
+        self.rule = rule
+
+
+class UpstreamError(ProxyError):
+    """The upstream could not be reached or broke the protocol."""
+
+    status_hint = 502

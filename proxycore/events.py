@@ -1,0 +1,193 @@
+"""Typed decision events and the sinks that carry them off the request path.
+
+Theory of operation: every decision the data plane takes (allowed, denied, credential injected,
+tunnel opened and closed, allowlist changed) is a frozen msgspec Struct, tagged with its kind, and
+handed to an `EventSink` with `emit`, which never blocks and never awaits: the request path only
+appends to a buffer. A sink's `run` task, owned by the server's nursery, writes batches on a timer
+or when a batch is full. The journal of the control plane plugs in as another sink.
+
+If the writer falls behind by more than `max_pending` events, further events are counted and
+reported as one `EventsDropped` event instead of growing memory without bound; the count is never
+silently lost. No event carries a credential value: `CredentialInjected` names the provider only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Protocol
+
+import msgspec
+import trio
+
+
+class Event(msgspec.Struct, frozen=True, tag_field="event", kw_only=True):
+    ts: float = msgspec.field(default_factory=time.time)
+    crew: str
+
+
+class RequestAllowed(Event, frozen=True, tag="request_allowed"):
+    mode: str
+    route: str  # "forward" | "reverse" | "tunnel"
+    method: str
+    host: str
+    port: int
+    address: str
+    rule: str
+
+
+class RequestDenied(Event, frozen=True, tag="request_denied"):
+    mode: str
+    route: str
+    method: str
+    host: str
+    port: int
+    rule: str
+    status: int
+
+
+class CredentialInjected(Event, frozen=True, tag="credential_injected"):
+    provider: str
+    host: str
+
+
+class TunnelOpened(Event, frozen=True, tag="tunnel_opened"):
+    tunnel_id: int
+    host: str
+    port: int
+    address: str
+
+
+class TunnelClosed(Event, frozen=True, tag="tunnel_closed"):
+    tunnel_id: int
+    host: str
+    port: int
+    bytes_up: int  # agent -> upstream
+    bytes_down: int  # upstream -> agent
+    duration: float
+    reason: str
+
+
+class AllowlistChanged(Event, frozen=True, tag="allowlist_changed"):
+    host: str
+    added: bool
+
+
+class PolicyWarning(Event, frozen=True, tag="policy_warning"):
+    message: str
+
+
+class EventsDropped(Event, frozen=True, tag="events_dropped"):
+    count: int
+
+
+AnyEvent = (
+    RequestAllowed
+    | RequestDenied
+    | CredentialInjected
+    | TunnelOpened
+    | TunnelClosed
+    | AllowlistChanged
+    | PolicyWarning
+    | EventsDropped
+)
+
+
+class EventSink(Protocol):
+    def emit(self, event: Event) -> None:
+        """Queue an event; never blocks."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Deliver queued events until cancelled, then flush what is left."""
+
+
+class NullSink:
+    def emit(self, event: Event) -> None:
+        pass
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+
+class MemorySink:
+    """Keeps events in a list (for tests and for embedding)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+
+class JsonLinesSink:
+    """Writes one JSON object per line, in batches, from a task of its own."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        flush_interval: float = 0.2,
+        max_batch: int = 1024,
+        max_pending: int = 100_000,
+    ) -> None:
+        self._path = path
+        self._flush_interval = flush_interval
+        self._max_batch = max_batch
+        self._max_pending = max_pending
+        self._pending: list[Event] = []
+        self._dropped = 0
+        self._encoder = msgspec.json.Encoder()
+        self._wakeup = trio.Event()
+
+    def emit(self, event: Event) -> None:
+        if len(self._pending) >= self._max_pending:
+            self._dropped += 1
+            return
+        self._pending.append(event)
+        if len(self._pending) >= self._max_batch:
+            self._wakeup.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        stream: IO[bytes]
+        if self._path == "-":
+            stream = sys.stderr.buffer
+        else:
+            stream = open(self._path, "ab")  # noqa: SIM115 - closed in finally
+        task_status.started()
+        try:
+            while True:
+                with trio.move_on_after(self._flush_interval):
+                    await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                self._write_batch(stream)
+        finally:
+            # Cancelled (shutdown): whatever is still queued is written before we go.
+            self._write_batch(stream)
+            if stream is not sys.stderr.buffer:
+                stream.close()
+
+    def _write_batch(self, stream: IO[bytes]) -> None:
+        batch, self._pending = self._pending, []
+        if self._dropped:
+            batch.append(EventsDropped(crew="-", count=self._dropped))
+            self._dropped = 0
+        if not batch:
+            return
+        buffer = bytearray()
+        for event in batch:
+            buffer += self._encoder.encode(event)
+            buffer += b"\n"
+        # A local file append of a batch is short; doing it inline keeps ordering trivial.
+        stream.write(buffer)
+        stream.flush()
+
+
+def decode_events(data: bytes) -> list[AnyEvent]:
+    """Parse a JSON-lines event log back into typed events (tests, tools)."""
+    decoder = msgspec.json.Decoder(AnyEvent)
+    return [decoder.decode(line) for line in data.splitlines() if line.strip()]

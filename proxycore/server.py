@@ -1,0 +1,818 @@
+"""The trio adapter: one task per agent connection owns all I/O, deadlines and cancellation.
+
+Theory of operation: the protocol work (heads, framing, policy, SSRF classification, injection)
+is done by sans-IO modules; this module moves bytes between them and the sockets. One listening
+port serves every mode, and the request form decides which:
+
+| request form                         | mode                                     |
+|--------------------------------------|------------------------------------------|
+| `CONNECT host:port`                  | opaque tunnel (`tunnel.relay`)            |
+| `GET http://host/...` (absolute)     | forward proxy                             |
+| `POST /anthropic/v1/...` (origin)    | reverse proxy to the provider's base URL  |
+| `GET /_appliance/health` (origin)    | the sidecar's local API                   |
+
+The crew a connection belongs to is the local address it arrived on (its gateway), which nothing
+inside the crew's network namespace can forge. Every request passes, in order: the name policy
+(mode + exact allowlist), resolution and the SSRF guard (in every mode), then credential injection
+only for an exact provider-host match over verified TLS. Every decision is emitted as an event.
+
+Errors: a refusal is written as a readable JSON response whenever no response byte has been sent
+yet; after that the connection can only be closed. Every read runs under a deadline.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import trio
+
+from . import control, http1, tunnel
+from .config import DEFAULT_BASE_URLS, ProxyConfig, crew_policy
+from .credentials import Provider, ProviderRoute, load_credential, rewrite_for_provider, route_for
+from .errors import HttpProtocolError, PolicyDenied, ProxyError, UpstreamError
+from .events import (
+    AllowlistChanged,
+    CredentialInjected,
+    EventSink,
+    PolicyWarning,
+    RequestAllowed,
+    RequestDenied,
+    TunnelClosed,
+    TunnelOpened,
+)
+from .policy import (
+    Allowlist,
+    NetworkMode,
+    decide_egress,
+    looks_like_ip_shorthand,
+    normalize_host,
+    parse_authority,
+    parse_mode,
+)
+from .refusals import Refusal, local_json, refusal
+from .ssrf import AddressGuard
+from .upstream import Dialer, UpstreamConnection, make_tls_context
+
+log = logging.getLogger("proxycore")
+
+RECV_SIZE = 65536
+# Request bodies up to this size are read whole before dialing, so a failed reused upstream
+# connection can be retried on a fresh one; larger bodies stream through a fresh connection.
+REPLAYABLE_BODY = 64 * 1024
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+LINGER_SECONDS = 1.0
+LINGER_BYTES = 256 * 1024
+LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
+
+
+@dataclass(slots=True, eq=False)
+class CrewState:
+    name: str
+    gateway: str
+    mode: NetworkMode
+    allowlist: Allowlist
+    connections: int = 0
+
+
+class ProxyRuntime:
+    """Everything a connection task needs, built once from the frozen config."""
+
+    def __init__(self, config: ProxyConfig, sink: EventSink) -> None:
+        self.config = config
+        self.sink = sink
+        limits = config.limits
+        self.limits = limits
+        self.http_limits = http1.Limits(
+            max_request_line=limits.max_request_line,
+            max_header_count=limits.max_header_count,
+            max_header_bytes=limits.max_header_bytes,
+        )
+        self.routes_by_name: dict[bytes, ProviderRoute] = {}
+        self.routes_by_host: dict[str, ProviderRoute] = {}
+        for name, default_url in DEFAULT_BASE_URLS.items():
+            provider_config = getattr(config.providers, name)
+            credential = load_credential(
+                name, provider_config.credential_env, provider_config.credential_file
+            )
+            route = route_for(provider_config.base_url or default_url, Provider(name), credential)
+            self.routes_by_name[name.encode()] = route
+            self.routes_by_host[route.host] = route
+        self.crews: dict[str, CrewState] = {}
+        for crew in config.crew:
+            mode, allowlist = crew_policy(crew)
+            # The configured provider hosts are part of every crew's allowlist: the operator
+            # named them, and the reverse routes lead nowhere else.
+            for route in self.routes_by_name.values():
+                allowlist.add(route.host)
+            gateway = normalize_host(crew.gateway) if ":" in crew.gateway else crew.gateway
+            self.crews[gateway] = CrewState(crew.name, gateway, mode, allowlist)
+            _, warning = parse_mode(crew.mode)
+            if warning:
+                sink.emit(PolicyWarning(crew=crew.name, message=warning))
+        self.dialer = Dialer(
+            AddressGuard(config.upstream.ssrf_allow),
+            config.upstream.resolve,
+            make_tls_context(config.upstream.ca_file, config.upstream.ca_file_only),
+            connect_timeout=limits.connect_timeout,
+            pool_per_host=limits.upstream_pool_per_host,
+        )
+        self.connections = 0
+        self.tunnel_ids = 0
+
+    def crew_for(self, local_address: str) -> CrewState | None:
+        return self.crews.get(local_address)
+
+    def crew_named(self, name: str) -> CrewState | None:
+        return next((c for c in self.crews.values() if c.name == name), None)
+
+    def handle_control(self, message: control.ControlMessage) -> control.ControlReply:
+        if isinstance(message, control.Ping):
+            return control.ControlReply(ok=True)
+        crew = self.crew_named(message.crew)
+        if crew is None:
+            return control.ControlReply(ok=False, error=f"unknown crew {message.crew!r}")
+        try:
+            host = normalize_host(message.host)
+        except PolicyDenied:
+            return control.ControlReply(ok=False, error=f"not a valid host: {message.host!r}")
+        added = crew.allowlist.add(host)
+        if added:
+            self.sink.emit(AllowlistChanged(crew=crew.name, host=host, added=True))
+        return control.ControlReply(ok=True, changed=added)
+
+
+class _Refused(Exception):
+    """Internal: a prepared refusal to write (never escapes this module)."""
+
+    def __init__(self, status: int, body: Refusal, *, close: bool = False) -> None:
+        self.status = status
+        self.body = body
+        self.close = close
+
+
+class ClientConnection:
+    """One agent connection. Owns its socket and, for the length of an exchange, an upstream."""
+
+    def __init__(self, runtime: ProxyRuntime, stream: trio.SocketStream, crew: CrewState) -> None:
+        self.runtime = runtime
+        self.stream = stream
+        self.crew = crew
+        self.buffer = bytearray()
+        self.response_started = False
+        self.limits = runtime.limits
+
+    # -- reading ----------------------------------------------------------------------------
+
+    async def _receive(self) -> bytes:
+        return await self.stream.receive_some(RECV_SIZE)
+
+    async def read_head(self) -> http1.RequestHead | None:
+        """The next request head, or None when the agent closed or went idle between requests."""
+        limits = self.limits
+        # Idle between requests: the keep-alive timeout. Once a byte of a head has arrived the
+        # whole head must follow within head_timeout (slowloris).
+        deadline = trio.current_time() + (
+            limits.head_timeout if self.buffer else limits.idle_keepalive_timeout
+        )
+        with trio.CancelScope(deadline=deadline) as scope:
+            while True:
+                if self.buffer:
+                    parsed = http1.parse_request_head(self.buffer, self.runtime.http_limits)
+                    if parsed is not None:
+                        head, consumed = parsed
+                        del self.buffer[:consumed]
+                        return head
+                data = await self._receive()
+                if not data:
+                    if self.buffer:
+                        raise HttpProtocolError("connection closed inside a request head")
+                    return None
+                if not self.buffer:
+                    scope.deadline = min(scope.deadline, trio.current_time() + limits.head_timeout)
+                self.buffer += data
+        if self.buffer:
+            raise _Refused(
+                408, Refusal(error="request_timeout", message="request head not received in time"),
+                close=True,
+            )
+        return None
+
+    async def read_body_whole(self, reader: http1.BodyReader, cap: int) -> bytes:
+        body = bytearray()
+        while not reader.done:
+            if self.buffer:
+                data = bytes(self.buffer)
+                self.buffer.clear()
+            else:
+                data = await self._receive_body()
+                if not data:
+                    reader.feed_eof()
+            body += reader.feed(data)
+            if len(body) > cap:
+                raise self._too_large()
+        self.buffer[:0] = reader.take_leftover()
+        return bytes(body)
+
+    async def _receive_body(self) -> bytes:
+        with trio.fail_after(self.limits.read_timeout):
+            return await self._receive()
+
+    def _too_large(self) -> _Refused:
+        return _Refused(
+            413,
+            Refusal(
+                error="body_too_large",
+                message=f"request body over {self.limits.max_body_bytes} bytes",
+            ),
+            close=True,
+        )
+
+    # -- the connection loop ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self.response_started = False
+                try:
+                    head = await self.read_head()
+                    if head is None:
+                        return
+                    keep_alive = await self.dispatch(head)
+                except _Refused as refused:
+                    if self.response_started:
+                        return
+                    await self.stream.send_all(
+                        refusal(refused.status, refused.body, close=refused.close)
+                    )
+                    if refused.close:
+                        await lingering_close(self.stream)
+                        return
+                    continue
+                except HttpProtocolError as exc:
+                    if not self.response_started:
+                        body = Refusal(error="bad_request", message=str(exc))
+                        await self.stream.send_all(refusal(exc.status_hint, body, close=True))
+                        await lingering_close(self.stream)
+                    return
+                if not keep_alive:
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            return
+        except ProxyError as exc:  # pragma: no cover - every ProxyError is mapped above
+            log.warning("crew %s: unmapped proxy error %s", self.crew.name, type(exc).__name__)
+        finally:
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await trio.aclose_forcefully(self.stream)
+
+    async def dispatch(self, head: http1.RequestHead) -> bool:
+        """Serve one request; returns whether the agent connection stays open."""
+        target = head.target
+        if head.method == b"CONNECT":
+            await self.serve_tunnel(head)
+            return False
+        if target[:7].lower() == b"http://":
+            return await self.serve_forward(head)
+        if target[:1] == b"/":
+            return await self.serve_origin_form(head)
+        if target[:8].lower() == b"https://":
+            raise _Refused(
+                400,
+                Refusal(error="bad_request", message="https:// targets must use CONNECT"),
+                close=not head.keep_alive,
+            )
+        raise HttpProtocolError(f"unsupported request target form for {head.method!r}")
+
+    # -- policy -----------------------------------------------------------------------------
+
+    def _deny(self, route: str, method: bytes, host: str, port: int, rule: str, status: int,
+              message: str, close: bool) -> _Refused:
+        crew = self.crew
+        self.runtime.sink.emit(
+            RequestDenied(crew=crew.name, mode=crew.mode.value, route=route,
+                          method=method.decode("ascii", "replace"), host=host, port=port,
+                          rule=rule, status=status)
+        )
+        return _Refused(
+            status,
+            Refusal(error="egress_denied" if status == 403 else "upstream_failed",
+                    message=message, host=host, rule=rule, mode=crew.mode.value, crew=crew.name),
+            close=close,
+        )
+
+    def check_name_policy(self, route: str, method: bytes, host: str, port: int,
+                          close: bool) -> None:
+        crew = self.crew
+        if looks_like_ip_shorthand(host):
+            raise self._deny(route, method, host, port, "ip_shorthand", 403,
+                             f"{host} is a numeric shorthand for an address; refused", close)
+        decision = decide_egress(crew.mode, crew.allowlist, host, port)
+        if not decision.allowed:
+            why = {
+                "mode_none": f"crew {crew.name} has network mode none: no egress at all",
+                "not_in_allowlist": f"{host} is not on the allowlist of crew {crew.name}",
+            }.get(decision.rule, f"{host} refused by rule {decision.rule}")
+            raise self._deny(route, method, host, port, decision.rule, 403, why, close)
+
+    async def open_upstream(self, route: str, method: bytes, tls: bool, host: str, port: int,
+                            *, fresh: bool, close: bool) -> UpstreamConnection:
+        dialer = self.runtime.dialer
+        try:
+            if fresh:
+                return await dialer.open(tls, host, port)
+            return await dialer.checkout(tls, host, port)
+        except PolicyDenied as exc:
+            raise self._deny(route, method, host, port, exc.rule, 403, str(exc), close) from None
+        except UpstreamError as exc:
+            raise self._deny(route, method, host, port, "upstream_unreachable", exc.status_hint,
+                             str(exc), True) from None
+
+    # -- forward and reverse ----------------------------------------------------------------
+
+    async def serve_forward(self, head: http1.RequestHead) -> bool:
+        rest = head.target[7:]
+        cut = len(rest)
+        for delimiter in (b"/", b"?", b"#"):
+            index = rest.find(delimiter)
+            if index != -1:
+                cut = min(cut, index)
+        authority, path = rest[:cut], rest[cut:]
+        if path[:1] == b"?":
+            path = b"/" + path
+        path = path.split(b"#", 1)[0] or b"/"
+        close = not head.keep_alive
+        try:
+            host, port = parse_authority(authority, 80)
+        except PolicyDenied as exc:
+            raise self._deny("forward", head.method, authority.decode("ascii", "replace"), 0,
+                             exc.rule, 403, str(exc), close) from None
+        self.check_name_policy("forward", head.method, host, port, close)
+        provider = self.runtime.routes_by_host.get(host)
+        if provider is not None:
+            # An exact provider host: always over verified TLS to the configured base URL, so
+            # the credential can be injected (never onto a plain-text connection).
+            return await self.exchange(head, "forward", provider.host, provider.port, True,
+                                       path, provider)
+        return await self.exchange(head, "forward", host, port, False, path, None)
+
+    async def serve_origin_form(self, head: http1.RequestHead) -> bool:
+        target = head.target
+        path = target.split(b"?", 1)[0]
+        if path in LOCAL_PATHS:
+            if head.body_kind is not http1.BodyKind.NONE:
+                await self.read_body_whole(http1.BodyReader.for_request(head, self.runtime.http_limits), 0)
+            await self.stream.send_all(local_json(
+                {"ok": True, "crew": self.crew.name, "mode": self.crew.mode.value}))
+            return head.keep_alive
+        second = target.find(b"/", 1)
+        query = target.find(b"?", 1)
+        ends = [i for i in (second, query) if i != -1]
+        end = min(ends) if ends else len(target)
+        route = self.runtime.routes_by_name.get(target[1:end])
+        if route is None:
+            raise _Refused(
+                404,
+                Refusal(error="not_found",
+                        message="no such route; use /anthropic/, /openai/, /google/ or a proxy "
+                                "request", crew=self.crew.name),
+                close=not head.keep_alive,
+            )
+        rest = target[end:]
+        if rest[:1] != b"/":
+            rest = b"/" + rest
+        upstream_target = route.path_prefix.encode("ascii") + rest
+        self.check_name_policy("reverse", head.method, route.host, route.port,
+                               not head.keep_alive)
+        return await self.exchange(head, "reverse", route.host, route.port, True,
+                                   upstream_target, route)
+
+    async def exchange(
+        self,
+        head: http1.RequestHead,
+        route_kind: str,
+        host: str,
+        port: int,
+        tls: bool,
+        target: bytes,
+        provider: ProviderRoute | None,
+    ) -> bool:
+        limits = self.limits
+        client_close = not head.keep_alive
+        if head.body_kind is http1.BodyKind.LENGTH and head.content_length > limits.max_body_bytes:
+            raise self._too_large()
+        headers = [
+            (name, value)
+            for name, value in http1.strip_hop_by_hop(head.headers)
+            if name not in (b"host", b"content-length", b"expect")
+        ]
+        injected = False
+        if provider is not None:
+            target, headers, injected = rewrite_for_provider(provider, target, headers)
+        default_port = 443 if tls else 80
+        authority = host if port == default_port else f"{host}:{port}"
+        if ":" in host:
+            authority = f"[{host}]" if port == default_port else f"[{host}]:{port}"
+        headers.insert(0, (b"host", authority.encode("ascii")))
+
+        # Body: small or chunked bodies are read whole (chunked is re-framed with a length so the
+        # upstream never sees the agent's framing); large ones stream on a fresh connection.
+        body: bytes | None = None
+        reader: http1.BodyReader | None = None
+        streaming_length = 0
+        if head.body_kind is not http1.BodyKind.NONE:
+            if head.expect_continue:
+                await self.stream.send_all(CONTINUE)
+            reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
+            if head.body_kind is http1.BodyKind.CHUNKED or head.content_length <= REPLAYABLE_BODY:
+                body = await self.read_body_whole(reader, limits.max_body_bytes)
+                reader = None
+            else:
+                streaming_length = head.content_length
+        elif head.method in (b"POST", b"PUT", b"PATCH"):
+            body = b""
+        if body is not None:
+            headers.append((b"content-length", b"%d" % len(body)))
+        elif reader is not None:
+            headers.append((b"content-length", b"%d" % streaming_length))
+        request_head = http1.serialize_request_head(head.method, target, headers)
+
+        attempt = 0
+        while True:
+            attempt += 1
+            upstream = await self.open_upstream(
+                route_kind, head.method, tls, host, port,
+                fresh=reader is not None or attempt > 1, close=client_close,
+            )
+            try:
+                if body is not None:
+                    await upstream.stream.send_all(request_head + body)
+                else:
+                    await upstream.stream.send_all(request_head)
+                    if reader is not None:
+                        await self._stream_body_upstream(reader, upstream)
+                response = await self._read_response_head(upstream, head.method)
+                break
+            except (trio.BrokenResourceError, trio.ClosedResourceError, _UpstreamClosedEarly):
+                await upstream.aclose()
+                if upstream.reused and attempt == 1 and reader is None:
+                    continue  # the pooled connection had gone stale: retry once, fresh
+                raise self._deny(route_kind, head.method, host, port, "upstream_closed", 502,
+                                 f"{host} closed the connection", True) from None
+            except trio.TooSlowError:
+                await upstream.aclose()
+                raise self._deny(route_kind, head.method, host, port, "upstream_timeout", 504,
+                                 f"{host} did not answer in time", True) from None
+            except HttpProtocolError as exc:
+                await upstream.aclose()
+                raise self._deny(route_kind, head.method, host, port, "upstream_protocol_error",
+                                 502, f"{host} sent a malformed response: {exc}", True) from None
+            except BaseException:
+                await upstream.aclose()
+                raise
+
+        sink = self.runtime.sink
+        crew = self.crew
+        sink.emit(RequestAllowed(crew=crew.name, mode=crew.mode.value, route=route_kind,
+                                 method=head.method.decode("ascii", "replace"), host=host,
+                                 port=port, address=upstream.address,
+                                 rule="provider" if provider else "policy"))
+        if injected and provider is not None:
+            sink.emit(CredentialInjected(crew=crew.name, provider=provider.provider.value,
+                                         host=host))
+        try:
+            keep_client = await self._relay_response(head, response, upstream)
+        except BaseException:
+            await upstream.aclose()
+            raise
+        return keep_client
+
+    async def _stream_body_upstream(self, reader: http1.BodyReader,
+                                    upstream: UpstreamConnection) -> None:
+        while not reader.done:
+            if self.buffer:
+                data = bytes(self.buffer)
+                self.buffer.clear()
+            else:
+                data = await self._receive_body()
+                if not data:
+                    reader.feed_eof()
+            piece = reader.feed(data)
+            if piece:
+                await upstream.stream.send_all(piece)
+        self.buffer[:0] = reader.take_leftover()
+
+    async def _read_response_head(self, upstream: UpstreamConnection,
+                                  method: bytes) -> http1.ResponseHead:
+        buffer = upstream.buffer
+        with trio.fail_after(self.limits.read_timeout):
+            while True:
+                if buffer:
+                    parsed = http1.parse_response_head(buffer, self.runtime.http_limits,
+                                                       request_method=method)
+                    if parsed is not None:
+                        response, consumed = parsed
+                        del buffer[:consumed]
+                        if 100 <= response.status < 200:
+                            if response.status == 101:
+                                raise HttpProtocolError("unexpected 101 Switching Protocols")
+                            continue  # interim (100 Continue, 103 Early Hints): not relayed
+                        return response
+                data = await upstream.stream.receive_some(RECV_SIZE)
+                if not data:
+                    if buffer:
+                        raise HttpProtocolError("upstream closed inside a response head")
+                    raise _UpstreamClosedEarly
+                buffer += data
+
+    async def _relay_response(self, head: http1.RequestHead, response: http1.ResponseHead,
+                              upstream: UpstreamConnection) -> bool:
+        reader = http1.BodyReader.for_response(response, self.runtime.http_limits)
+        keep_client = head.keep_alive
+        headers = http1.strip_hop_by_hop(response.headers)
+        kind = response.body_kind
+        rechunk = kind in (http1.BodyKind.CHUNKED, http1.BodyKind.UNTIL_CLOSE)
+        if rechunk:
+            if head.http_version == b"1.1":
+                headers.append((b"transfer-encoding", b"chunked"))
+            else:
+                rechunk = False
+                keep_client = False  # an HTTP/1.0 agent learns the end from the close
+        if not keep_client:
+            headers.append((b"connection", b"close"))
+        out = bytearray(http1.serialize_response_head(response.status, response.reason, headers))
+        send_all = self.stream.send_all
+        receive = upstream.stream.receive_some
+        read_timeout = self.limits.read_timeout
+        buffer = upstream.buffer
+        first = bytes(buffer)
+        buffer.clear()
+        piece = reader.feed(first) if first else b""
+        self.response_started = True
+        while True:
+            if piece:
+                out += http1.encode_chunk(piece) if rechunk else piece
+            if reader.done:
+                if rechunk:
+                    out += http1.LAST_CHUNK
+                await send_all(out)
+                break
+            if out:
+                await send_all(out)
+                out = bytearray()
+            with trio.fail_after(read_timeout):
+                data = await receive(RECV_SIZE)
+            if not data:
+                reader.feed_eof()
+                piece = b""
+            else:
+                piece = reader.feed(data)
+        leftover = reader.take_leftover()
+        if response.keep_alive and kind is not http1.BodyKind.UNTIL_CLOSE and not leftover:
+            if not self.runtime.dialer.checkin(upstream):
+                await upstream.aclose()
+        else:
+            await upstream.aclose()
+        return keep_client
+
+    # -- tunnels ----------------------------------------------------------------------------
+
+    async def serve_tunnel(self, head: http1.RequestHead) -> None:
+        try:
+            host, port = parse_authority(head.target, -1)
+        except PolicyDenied as exc:
+            raise self._deny("tunnel", b"CONNECT", head.target.decode("ascii", "replace"), 0,
+                             exc.rule, 403, str(exc), True) from None
+        if head.body_kind is not http1.BodyKind.NONE:
+            raise HttpProtocolError("CONNECT with a body")
+        self.check_name_policy("tunnel", b"CONNECT", host, port, True)
+        runtime = self.runtime
+        try:
+            addresses = await runtime.dialer.resolve(host, port)
+            sock = await runtime.dialer.connect_checked(addresses, port, host)
+        except PolicyDenied as exc:
+            raise self._deny("tunnel", b"CONNECT", host, port, exc.rule, 403, str(exc),
+                             True) from None
+        except UpstreamError as exc:
+            raise self._deny("tunnel", b"CONNECT", host, port, "upstream_unreachable",
+                             exc.status_hint, str(exc), True) from None
+        runtime.tunnel_ids += 1
+        tunnel_id = runtime.tunnel_ids
+        crew = self.crew
+        address = str(sock.getpeername()[0])
+        runtime.sink.emit(RequestAllowed(crew=crew.name, mode=crew.mode.value, route="tunnel",
+                                         method="CONNECT", host=host, port=port, address=address,
+                                         rule="policy"))
+        runtime.sink.emit(TunnelOpened(crew=crew.name, tunnel_id=tunnel_id, host=host, port=port,
+                                       address=address))
+        started = trio.current_time()
+        stats = tunnel.TunnelStats(reason="error")
+        try:
+            self.response_started = True
+            await self.stream.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+            prefix = bytes(self.buffer)
+            self.buffer.clear()
+            stats = await tunnel.relay(self.stream.socket, sock, client_prefix=prefix,
+                                       idle_timeout=self.limits.tunnel_idle_timeout)
+        finally:
+            sock.close()
+            runtime.sink.emit(TunnelClosed(crew=crew.name, tunnel_id=tunnel_id, host=host,
+                                           port=port, bytes_up=stats.bytes_up,
+                                           bytes_down=stats.bytes_down,
+                                           duration=round(trio.current_time() - started, 6),
+                                           reason=stats.reason))
+
+
+class _UpstreamClosedEarly(Exception):
+    """The upstream closed before any byte of a response (a stale pooled connection)."""
+
+
+# -- listening --------------------------------------------------------------------------------
+
+
+def bind_listeners(config: ProxyConfig, *, reuse_port: bool) -> list[trio.SocketListener]:
+    """Bind the proxy port on every crew gateway and extra listen address."""
+    addresses = dict.fromkeys([*(c.gateway for c in config.crew), *config.listen.addresses])
+    bound: list[socket.socket] = []
+    try:
+        for address in addresses:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                # Worker processes share the port; the kernel spreads connections among them.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((address, config.listen.port))
+            except OSError as exc:
+                raise ProxyError(
+                    f"cannot listen on {address}:{config.listen.port}: {exc.strerror}"
+                ) from None
+            sock.listen(config.listen.backlog)
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    return [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in bound]
+
+
+async def serve(
+    config: ProxyConfig,
+    sink: EventSink,
+    *,
+    listeners: list[trio.SocketListener] | None = None,
+    task_status: trio.TaskStatus[ProxyRuntime] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the proxy until cancelled."""
+    runtime = ProxyRuntime(config, sink)
+    if listeners is None:
+        listeners = bind_listeners(config, reuse_port=config.listen.workers > 1)
+    max_connections = config.limits.max_connections
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            local = stream.socket.getsockname()[0]
+        except OSError:
+            await trio.aclose_forcefully(stream)
+            return
+        crew = runtime.crew_for(str(local).split("%", 1)[0])
+        if crew is None:
+            await _refuse_and_close(stream, 403, Refusal(
+                error="unknown_gateway", rule="unknown_gateway",
+                message=f"no crew is served on {local}"))
+            return
+        if runtime.connections >= max_connections:
+            await _refuse_and_close(stream, 503, Refusal(
+                error="overloaded", message="too many connections", crew=crew.name))
+            return
+        runtime.connections += 1
+        crew.connections += 1
+        try:
+            await ClientConnection(runtime, stream, crew).run()
+        finally:
+            runtime.connections -= 1
+            crew.connections -= 1
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sink.run)
+        if config.control.socket:
+            await nursery.start(serve_control, config.control.socket, runtime.handle_control)
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, handle, nursery)
+        task_status.started(runtime)
+
+
+async def _accept_loop(listener: trio.SocketListener,
+                       handler: Callable[[trio.SocketStream], Awaitable[None]],
+                       nursery: trio.Nursery) -> None:
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # Out of descriptors: back off instead of spinning (trio.serve_listeners does
+                # the same).
+                log.warning("accept failed: %s; pausing", exc.strerror)
+                await trio.sleep(0.1)
+                continue
+            raise
+        nursery.start_soon(handler, stream)
+
+
+async def _refuse_and_close(stream: trio.SocketStream, status: int, body: Refusal) -> None:
+    with trio.move_on_after(2):
+        try:
+            await stream.send_all(refusal(status, body, close=True))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await lingering_close(stream)
+
+
+async def lingering_close(stream: trio.SocketStream) -> None:
+    """Close after a refusal without destroying it.
+
+    Closing a socket that still holds unread input makes the kernel send RST, and an RST can
+    discard our response before the agent reads it. So: half-close, drain what the agent is still
+    sending (bounded in bytes and time), then close (the "lingering close" of Apache and nginx).
+    """
+    try:
+        stream.socket.shutdown(socket.SHUT_WR)
+        with trio.move_on_after(LINGER_SECONDS):
+            drained = 0
+            while drained < LINGER_BYTES:
+                data = await stream.receive_some(RECV_SIZE)
+                if not data:
+                    break
+                drained += len(data)
+    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+# -- control socket ---------------------------------------------------------------------------
+
+
+async def serve_control(
+    path: str,
+    handler: Callable[[control.ControlMessage], control.ControlReply],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve typed control messages on a Unix socket only its owner can open (0600)."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # created 0600: no window in which others could connect
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+
+    async def one(stream: trio.SocketStream) -> None:
+        buffer = bytearray()
+        async with stream:
+            while True:
+                with trio.move_on_after(30):
+                    data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buffer += data
+                if len(buffer) > 1 << 20:
+                    return
+                while b"\n" in buffer:
+                    line, _, rest = bytes(buffer).partition(b"\n")
+                    buffer[:] = rest
+                    try:
+                        message: Any = control.message_decoder.decode(line)
+                        reply = handler(message)
+                    except msgspec.DecodeError as exc:
+                        reply = control.ControlReply(ok=False, error=f"bad message: {exc}")
+                    await stream.send_all(control.encoder.encode(reply) + b"\n")
+
+    try:
+        task_status.started()
+        await trio.serve_listeners(one, [listener])
+    finally:
+        with trio.move_on_after(1) as cleanup:
+            cleanup.shield = True
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

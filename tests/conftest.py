@@ -1,0 +1,245 @@
+"""Shared fixtures: a test CA, fake provider upstreams and the proxy run as a real process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trustme
+
+from appliance.demo_upstream import FakeServer, start_fake
+
+ROOT = Path(__file__).resolve().parent.parent
+PROVIDER_NAMES = ["api.anthropic.test", "api.openai.test", "generativelanguage.googleapis.test"]
+# Plain "internet" hosts; like the provider names they resolve only through the proxy's
+# split-horizon table (to loopback), never through DNS.
+PLAIN_NAMES = ["plain.test", "other.test"]
+# What the appliance holds; the agent never sees these.
+REAL_KEYS = {
+    "anthropic": "sk-ant-api03-REALKEY-appliance-only-0123456789abcdef",
+    "openai": "sk-proj-REALKEY-appliance-only-0123456789abcdef",
+    "google": "AIzaSyREALKEY-appliance-only-0123456789",
+}
+AGENT_DUMMY_KEY = "sk-agent-dummy-key-must-never-reach-upstream"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float = 10.0, process=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{host}:{port} did not open")
+
+
+@pytest.fixture(scope="session")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture(scope="session")
+def ca_file(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("ca") / "ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def provider(ca: trustme.CA) -> Iterator[FakeServer]:
+    """One TLS server answering for all three provider test names."""
+    cert = ca.issue_cert(*PROVIDER_NAMES, "127.0.0.1")
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(context)
+    fake = start_fake(tls_context=context)
+    yield fake
+    fake.close()
+
+
+@pytest.fixture(scope="session")
+def plain_host() -> Iterator[FakeServer]:
+    """A plain-HTTP "internet" host on loopback."""
+    fake = start_fake()
+    yield fake
+    fake.close()
+
+
+@dataclass
+class RunningProxy:
+    port: int
+    host: str
+    config_path: Path
+    events_path: Path
+    process: subprocess.Popen[bytes]
+    control_socket: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def events(self) -> list[object]:
+        from proxycore.events import decode_events
+
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            time.sleep(0.3)  # the sink writes in batches, every 0.2 s
+            if self.events_path.exists():
+                break
+        return decode_events(self.events_path.read_bytes()) if self.events_path.exists() else []
+
+    def stop(self) -> str:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.stderr.read().decode() if self.process.stderr else ""
+
+
+def proxy_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    env["TEST_ANTHROPIC_KEY"] = REAL_KEYS["anthropic"]
+    env["TEST_OPENAI_KEY"] = REAL_KEYS["openai"]
+    env["TEST_GOOGLE_KEY"] = REAL_KEYS["google"]
+    return env
+
+
+def write_proxy_config(
+    tmp: Path,
+    *,
+    port: int,
+    provider_port: int,
+    ca_file: str,
+    mode: str = "restricted",
+    allow: list[str] | None = None,
+    ssrf_allow: list[str] | None = None,
+    gateway: str = "127.0.0.1",
+    extra: str = "",
+    with_control: bool = False,
+    listen_addresses: list[str] | None = None,
+) -> tuple[Path, Path, Path | None]:
+    events = tmp / "events.jsonl"
+    control = tmp / "control.sock" if with_control else None
+    allow_list = ", ".join(f'"{h}"' for h in (allow or []))
+    ssrf = ", ".join(f'"{r}"' for r in (["127.0.0.0/8"] if ssrf_allow is None else ssrf_allow))
+    resolve = ", ".join(f'"{name}" = "127.0.0.1"' for name in [*PROVIDER_NAMES, *PLAIN_NAMES])
+    text = f"""
+[listen]
+port = {port}
+addresses = [{", ".join(f'"{a}"' for a in (listen_addresses or []))}]
+
+[[crew]]
+name = "test"
+gateway = "{gateway}"
+mode = "{mode}"
+allow = [{allow_list}]
+
+[providers.anthropic]
+base_url = "https://api.anthropic.test:{provider_port}"
+credential_env = "TEST_ANTHROPIC_KEY"
+
+[providers.openai]
+base_url = "https://api.openai.test:{provider_port}/v1"
+credential_env = "TEST_OPENAI_KEY"
+
+[providers.google]
+base_url = "https://generativelanguage.googleapis.test:{provider_port}"
+credential_env = "TEST_GOOGLE_KEY"
+
+[upstream]
+ca_file = "{ca_file}"
+ssrf_allow = [{ssrf}]
+resolve = {{ {resolve} }}
+
+[events]
+path = "{events}"
+flush_interval = 0.05
+
+{extra}
+"""
+    if control is not None:
+        text += f'\n[control]\nsocket = "{control}"\n'
+    path = tmp / "proxy.toml"
+    path.write_text(text)
+    return path, events, control
+
+
+def start_proxy(config_path: Path, *, host: str, port: int, events: Path,
+                control: Path | None = None, netns: str | None = None) -> RunningProxy:
+    command = [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config_path)]
+    if netns:
+        command = ["ip", "netns", "exec", netns, *command]
+    process = subprocess.Popen(command, env=proxy_env(), stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL)
+    running = RunningProxy(port, host, config_path, events, process, control)
+    try:
+        if netns:
+            _wait_netns_port(netns, host, port, process)
+        else:
+            wait_for_port(host, port, process=process)
+    except Exception:
+        raise RuntimeError("proxy did not start: " + running.stop()) from None
+    return running
+
+
+def _wait_netns_port(netns: str, host: str, port: int, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 10
+    probe = f"import socket; socket.create_connection(('{host}', {port}), timeout=0.3)"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("proxy exited")
+        if subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", probe],
+                          capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+    raise TimeoutError("proxy in netns did not open its port")
+
+
+@pytest.fixture
+def make_proxy(tmp_path: Path, provider: FakeServer, ca_file: str):
+    started: list[RunningProxy] = []
+
+    def make(**kwargs: object) -> RunningProxy:
+        port = free_port()
+        sub = tmp_path / f"p{len(started)}"
+        sub.mkdir()
+        config, events, control = write_proxy_config(
+            sub, port=port, provider_port=provider.port, ca_file=ca_file, **kwargs  # type: ignore[arg-type]
+        )
+        proxy = start_proxy(config, host=str(kwargs.get("gateway", "127.0.0.1")), port=port,
+                            events=events, control=control)
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in started:
+        proxy.stop()
+
+
+@pytest.fixture
+def proxy(make_proxy, plain_host: FakeServer, provider: FakeServer) -> RunningProxy:
+    """Restricted crew; the plain test host is allowlisted by address."""
+    provider.clear()
+    plain_host.clear()
+    return make_proxy(allow=["plain.test"], with_control=True)
