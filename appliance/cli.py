@@ -7,10 +7,9 @@ configuration (the message names the key or argument). Every command takes `--js
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
-import multiprocessing
-import os
 import resource
 import signal
 import socket
@@ -62,16 +61,23 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def run_proxy_worker(config: ProxyConfig, worker: int, ready: Any = None) -> None:
+def run_proxy_worker(
+    config: ProxyConfig, worker: int, control_channel: socket.socket | None = None
+) -> None:
     from proxycore.server import serve
 
     _raise_fd_limit()
 
     async def main() -> None:
+        channel = None
+        if control_channel is not None:
+            channel = trio.SocketStream(trio.socket.from_stdlib_socket(control_channel))
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve, config, make_sink(config, worker))
-            if ready is not None:
-                ready.set()
+            await nursery.start(
+                functools.partial(serve, control_channel=channel),
+                config,
+                make_sink(config, worker),
+            )
             where = ", ".join(
                 f"{address}:{config.listen.port}"
                 for address in dict.fromkeys(
@@ -96,12 +102,6 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
     for warning in warnings:
         print(f"appliancectl: warning: {warning}", file=sys.stderr, flush=True)
     workers = args.workers or config.listen.workers
-    if workers > 1 and config.control.socket:
-        return out.error(
-            "`control.socket` with more than one worker is not supported yet: "
-            "run one worker, or drop the control socket",
-            EXIT_USAGE,
-        )
     if workers > 1:
         import msgspec
 
@@ -126,27 +126,9 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
 
 
 def _run_workers(config: ProxyConfig, workers: int) -> int:
-    context = multiprocessing.get_context("fork")
-    processes = [
-        context.Process(target=run_proxy_worker, args=(config, i), daemon=True)
-        for i in range(workers)
-    ]
-    for process in processes:
-        process.start()
+    from appliance.proxy_supervisor import run_supervised
 
-    def forward(signum: int, _frame: Any) -> None:
-        for process in processes:
-            if process.pid:
-                os.kill(process.pid, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    code = EXIT_OK
-    for process in processes:
-        process.join()
-        if process.exitcode not in (0, -signal.SIGTERM, -signal.SIGINT):
-            code = EXIT_FAILURE
-    return code
+    return run_supervised(config, workers)
 
 
 def cmd_proxy_allow(args: argparse.Namespace, out: _Output) -> int:

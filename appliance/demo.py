@@ -16,7 +16,6 @@ Everything stays on loopback: the names used resolve only through the proxy's ow
 from __future__ import annotations
 
 import json
-import os
 import socket
 import ssl
 import subprocess

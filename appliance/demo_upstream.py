@@ -136,11 +136,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._record()
         self._json(200, {"ok": True})
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._record()
         url = urlsplit(self.path)
         query = parse_qs(url.query)
@@ -163,7 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._json(200, {"path": self.path, "host": self.headers.get("host")})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self._record()
         url = urlsplit(self.path)
         try:

@@ -55,7 +55,10 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     connect_timeout: PositiveFloat = 10.0
     tunnel_idle_timeout: PositiveFloat = 300.0
     max_connections: PositiveInt = 4096
-    upstream_pool_per_host: PositiveInt = 32
+    max_connections_per_crew: PositiveInt = 512
+    # Idle kept-alive upstream connections per (host, port); above the usual client concurrency
+    # so a busy crew does not churn connections.
+    upstream_pool_per_host: PositiveInt = 256
 
 
 class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -170,7 +173,7 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
             warnings.append(f"{source}: `{key}.mode`: {warning}")
         for j, host in enumerate(crew.allow):
             try:
-                normalize_host(host)
+                Allowlist([host])
             except Exception:
                 raise fail(f"{key}.allow[{j}]", f"not a valid host name: {host!r}") from None
     for index, address in enumerate(config.listen.addresses):
@@ -193,7 +196,9 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
             normalize_host(host)
             ipaddress.ip_address(address)
         except Exception:
-            raise fail(f"upstream.resolve.{host}", f"needs a host name and an IP address, got {address!r}") from None
+            raise fail(
+                f"upstream.resolve.{host}", f"needs a host name and an IP address, got {address!r}"
+            ) from None
     if config.upstream.ca_file_only and not config.upstream.ca_file:
         raise fail("upstream.ca_file_only", "needs upstream.ca_file")
     return warnings

@@ -157,7 +157,9 @@ class JsonLinesSink:
         if self._path == "-":
             stream = sys.stderr.buffer
         else:
-            stream = open(self._path, "ab")  # noqa: SIM115 - closed in finally
+            # Unbuffered: each batch is one write(2) on an O_APPEND file, so batches from several
+            # worker processes never interleave inside a line.
+            stream = open(self._path, "ab", buffering=0)  # noqa: SIM115 - closed in finally
         task_status.started()
         try:
             while True:
@@ -184,7 +186,6 @@ class JsonLinesSink:
             buffer += b"\n"
         # A local file append of a batch is short; doing it inline keeps ordering trivial.
         stream.write(buffer)
-        stream.flush()
 
 
 def decode_events(data: bytes) -> list[AnyEvent]:

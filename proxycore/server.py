@@ -22,8 +22,10 @@ yet; after that the connection can only be closed. Every read runs under a deadl
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
+import math
 import os
 import socket
 import stat
@@ -48,6 +50,7 @@ from .events import (
     TunnelClosed,
     TunnelOpened,
 )
+from .fastio import PlainStream
 from .policy import (
     Allowlist,
     NetworkMode,
@@ -57,6 +60,7 @@ from .policy import (
     parse_authority,
     parse_mode,
 )
+from .control_server import serve_control_socket, serve_control_stream
 from .refusals import Refusal, local_json, refusal
 from .ssrf import AddressGuard
 from .upstream import Dialer, UpstreamConnection, make_tls_context
@@ -148,6 +152,11 @@ class ProxyRuntime:
             self.sink.emit(AllowlistChanged(crew=crew.name, host=host, added=True))
         return control.ControlReply(ok=True, changed=added)
 
+    async def handle_control_async(
+        self, message: control.ControlMessage
+    ) -> control.ControlReply:
+        return self.handle_control(message)
+
 
 class _Refused(Exception):
     """Internal: a prepared refusal to write (never escapes this module)."""
@@ -158,72 +167,84 @@ class _Refused(Exception):
         self.close = close
 
 
-class ClientConnection:
-    """One agent connection. Owns its socket and, for the length of an exchange, an upstream."""
+class Phase(enum.Enum):
+    """What a connection is waiting for; decides what a deadline expiring means."""
 
-    def __init__(self, runtime: ProxyRuntime, stream: trio.SocketStream, crew: CrewState) -> None:
+    IDLE = "idle"  # between requests: a timeout closes silently
+    HEAD = "head"  # inside a request head: 408
+    BODY = "body"  # reading the agent's request body: 408
+    UPSTREAM = "upstream"  # waiting for the upstream's response head: 504
+    RELAY = "relay"  # relaying a response: the connection can only be closed
+
+
+class ClientConnection:
+    """One agent connection. Owns its socket and, for the length of an exchange, an upstream.
+
+    One cancel scope covers the whole connection; before each wait its deadline is moved to the
+    timeout of the phase about to start, so a timeout costs no extra scope per read.
+    """
+
+    def __init__(self, runtime: ProxyRuntime, stream: PlainStream, crew: CrewState) -> None:
         self.runtime = runtime
         self.stream = stream
         self.crew = crew
         self.buffer = bytearray()
         self.response_started = False
         self.limits = runtime.limits
+        self.phase = Phase.IDLE
+        self.scope = trio.CancelScope()
+        self.upstream: UpstreamConnection | None = None
+
+    def _expect(self, phase: Phase, timeout: float) -> None:
+        self.phase = phase
+        self.scope.deadline = trio.current_time() + timeout
 
     # -- reading ----------------------------------------------------------------------------
 
-    async def _receive(self) -> bytes:
-        return await self.stream.receive_some(RECV_SIZE)
-
     async def read_head(self) -> http1.RequestHead | None:
-        """The next request head, or None when the agent closed or went idle between requests."""
+        """The next request head, or None when the agent closed the connection."""
         limits = self.limits
-        # Idle between requests: the keep-alive timeout. Once a byte of a head has arrived the
-        # whole head must follow within head_timeout (slowloris).
-        deadline = trio.current_time() + (
-            limits.head_timeout if self.buffer else limits.idle_keepalive_timeout
-        )
-        with trio.CancelScope(deadline=deadline) as scope:
-            while True:
-                if self.buffer:
-                    parsed = http1.parse_request_head(self.buffer, self.runtime.http_limits)
-                    if parsed is not None:
-                        head, consumed = parsed
-                        del self.buffer[:consumed]
-                        return head
-                data = await self._receive()
-                if not data:
-                    if self.buffer:
-                        raise HttpProtocolError("connection closed inside a request head")
-                    return None
-                if not self.buffer:
-                    scope.deadline = min(scope.deadline, trio.current_time() + limits.head_timeout)
-                self.buffer += data
+        buffer = self.buffer
+        if buffer:
+            self._expect(Phase.HEAD, limits.head_timeout)
+        else:
+            self._expect(Phase.IDLE, limits.idle_keepalive_timeout)
+        while True:
+            if buffer:
+                parsed = http1.parse_request_head(buffer, self.runtime.http_limits)
+                if parsed is not None:
+                    head, consumed = parsed
+                    del buffer[:consumed]
+                    return head
+            data = await self.stream.receive(RECV_SIZE)
+            if not data:
+                if buffer:
+                    raise HttpProtocolError("connection closed inside a request head")
+                return None
+            if self.phase is Phase.IDLE:
+                # The first byte of a head: the whole head must follow within head_timeout.
+                self._expect(Phase.HEAD, limits.head_timeout)
+            buffer += data
+
+    async def _receive_body(self) -> bytes:
         if self.buffer:
-            raise _Refused(
-                408, Refusal(error="request_timeout", message="request head not received in time"),
-                close=True,
-            )
-        return None
+            data = bytes(self.buffer)
+            self.buffer.clear()
+            return data
+        self._expect(Phase.BODY, self.limits.read_timeout)
+        return await self.stream.receive(RECV_SIZE)
 
     async def read_body_whole(self, reader: http1.BodyReader, cap: int) -> bytes:
         body = bytearray()
         while not reader.done:
-            if self.buffer:
-                data = bytes(self.buffer)
-                self.buffer.clear()
-            else:
-                data = await self._receive_body()
-                if not data:
-                    reader.feed_eof()
+            data = await self._receive_body()
+            if not data:
+                reader.feed_eof()
             body += reader.feed(data)
             if len(body) > cap:
                 raise self._too_large()
         self.buffer[:0] = reader.take_leftover()
         return bytes(body)
-
-    async def _receive_body(self) -> bytes:
-        with trio.fail_after(self.limits.read_timeout):
-            return await self._receive()
 
     def _too_large(self) -> _Refused:
         return _Refused(
@@ -238,40 +259,79 @@ class ClientConnection:
     # -- the connection loop ----------------------------------------------------------------
 
     async def run(self) -> None:
-        try:
-            while True:
-                self.response_started = False
+        refusal_bytes: bytes | None = None
+        with self.scope:
+            try:
+                refusal_bytes = await self._serve_requests()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        if self.upstream is not None:
+            # Interrupted mid-exchange (timeout, broken agent socket): never pool it.
+            self.upstream.close()
+            self.upstream = None
+        if self.scope.cancelled_caught and not self.response_started:
+            refusal_bytes = self._timeout_refusal()
+        if refusal_bytes is not None:
+            with trio.move_on_after(LINGER_SECONDS):
                 try:
-                    head = await self.read_head()
-                    if head is None:
-                        return
-                    keep_alive = await self.dispatch(head)
-                except _Refused as refused:
-                    if self.response_started:
-                        return
-                    await self.stream.send_all(
-                        refusal(refused.status, refused.body, close=refused.close)
-                    )
-                    if refused.close:
-                        await lingering_close(self.stream)
-                        return
-                    continue
-                except HttpProtocolError as exc:
-                    if not self.response_started:
-                        body = Refusal(error="bad_request", message=str(exc))
-                        await self.stream.send_all(refusal(exc.status_hint, body, close=True))
-                        await lingering_close(self.stream)
-                    return
-                if not keep_alive:
-                    return
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
-            return
-        except ProxyError as exc:  # pragma: no cover - every ProxyError is mapped above
-            log.warning("crew %s: unmapped proxy error %s", self.crew.name, type(exc).__name__)
-        finally:
-            with trio.move_on_after(1) as cleanup:
-                cleanup.shield = True
-                await trio.aclose_forcefully(self.stream)
+                    await self.stream.send_all(refusal_bytes)
+                except trio.BrokenResourceError:
+                    pass
+            await lingering_close(self.stream)
+        else:
+            self.stream.close()
+
+    def _timeout_refusal(self) -> bytes | None:
+        crew = self.crew
+        if self.phase in (Phase.HEAD, Phase.BODY):
+            return refusal(
+                408,
+                Refusal(
+                    error="request_timeout",
+                    crew=crew.name,
+                    message=f"request {self.phase.value} not received in time",
+                ),
+                close=True,
+            )
+        if self.phase is Phase.UPSTREAM:
+            return refusal(
+                504,
+                Refusal(
+                    error="upstream_timeout",
+                    rule="upstream_timeout",
+                    crew=crew.name,
+                    mode=crew.mode.value,
+                    message="the upstream did not answer in time",
+                ),
+                close=True,
+            )
+        return None
+
+    async def _serve_requests(self) -> bytes | None:
+        """Serve requests until the connection ends; returns a final refusal to send, if any."""
+        while True:
+            self.response_started = False
+            try:
+                head = await self.read_head()
+                if head is None:
+                    return None
+                keep_alive = await self.dispatch(head)
+            except _Refused as refused:
+                if self.response_started:
+                    return None
+                data = refusal(refused.status, refused.body, close=refused.close)
+                if refused.close:
+                    return data
+                await self.stream.send_all(data)
+                continue
+            except HttpProtocolError as exc:
+                if self.response_started:
+                    return None
+                return refusal(
+                    exc.status_hint, Refusal(error="bad_request", message=str(exc)), close=True
+                )
+            if not keep_alive:
+                return None
 
     async def dispatch(self, head: http1.RequestHead) -> bool:
         """Serve one request; returns whether the agent connection stays open."""
@@ -293,27 +353,58 @@ class ClientConnection:
 
     # -- policy -----------------------------------------------------------------------------
 
-    def _deny(self, route: str, method: bytes, host: str, port: int, rule: str, status: int,
-              message: str, close: bool) -> _Refused:
+    def _deny(
+        self,
+        route: str,
+        method: bytes,
+        host: str,
+        port: int,
+        rule: str,
+        status: int,
+        message: str,
+        close: bool,
+    ) -> _Refused:
         crew = self.crew
         self.runtime.sink.emit(
-            RequestDenied(crew=crew.name, mode=crew.mode.value, route=route,
-                          method=method.decode("ascii", "replace"), host=host, port=port,
-                          rule=rule, status=status)
+            RequestDenied(
+                crew=crew.name,
+                mode=crew.mode.value,
+                route=route,
+                method=method.decode("ascii", "replace"),
+                host=host,
+                port=port,
+                rule=rule,
+                status=status,
+            )
         )
         return _Refused(
             status,
-            Refusal(error="egress_denied" if status == 403 else "upstream_failed",
-                    message=message, host=host, rule=rule, mode=crew.mode.value, crew=crew.name),
+            Refusal(
+                error="egress_denied" if status == 403 else "upstream_failed",
+                message=message,
+                host=host,
+                rule=rule,
+                mode=crew.mode.value,
+                crew=crew.name,
+            ),
             close=close,
         )
 
-    def check_name_policy(self, route: str, method: bytes, host: str, port: int,
-                          close: bool) -> None:
+    def check_name_policy(
+        self, route: str, method: bytes, host: str, port: int, close: bool
+    ) -> None:
         crew = self.crew
         if looks_like_ip_shorthand(host):
-            raise self._deny(route, method, host, port, "ip_shorthand", 403,
-                             f"{host} is a numeric shorthand for an address; refused", close)
+            raise self._deny(
+                route,
+                method,
+                host,
+                port,
+                "ip_shorthand",
+                403,
+                f"{host} is a numeric shorthand for an address; refused",
+                close,
+            )
         decision = decide_egress(crew.mode, crew.allowlist, host, port)
         if not decision.allowed:
             why = {
@@ -322,8 +413,17 @@ class ClientConnection:
             }.get(decision.rule, f"{host} refused by rule {decision.rule}")
             raise self._deny(route, method, host, port, decision.rule, 403, why, close)
 
-    async def open_upstream(self, route: str, method: bytes, tls: bool, host: str, port: int,
-                            *, fresh: bool, close: bool) -> UpstreamConnection:
+    async def open_upstream(
+        self,
+        route: str,
+        method: bytes,
+        tls: bool,
+        host: str,
+        port: int,
+        *,
+        fresh: bool,
+        close: bool,
+    ) -> UpstreamConnection:
         dialer = self.runtime.dialer
         try:
             if fresh:
@@ -332,8 +432,9 @@ class ClientConnection:
         except PolicyDenied as exc:
             raise self._deny(route, method, host, port, exc.rule, 403, str(exc), close) from None
         except UpstreamError as exc:
-            raise self._deny(route, method, host, port, "upstream_unreachable", exc.status_hint,
-                             str(exc), True) from None
+            raise self._deny(
+                route, method, host, port, "upstream_unreachable", exc.status_hint, str(exc), True
+            ) from None
 
     # -- forward and reverse ----------------------------------------------------------------
 
@@ -352,15 +453,24 @@ class ClientConnection:
         try:
             host, port = parse_authority(authority, 80)
         except PolicyDenied as exc:
-            raise self._deny("forward", head.method, authority.decode("ascii", "replace"), 0,
-                             exc.rule, 403, str(exc), close) from None
+            raise self._deny(
+                "forward",
+                head.method,
+                authority.decode("ascii", "replace"),
+                0,
+                exc.rule,
+                403,
+                str(exc),
+                close,
+            ) from None
         self.check_name_policy("forward", head.method, host, port, close)
         provider = self.runtime.routes_by_host.get(host)
         if provider is not None:
             # An exact provider host: always over verified TLS to the configured base URL, so
             # the credential can be injected (never onto a plain-text connection).
-            return await self.exchange(head, "forward", provider.host, provider.port, True,
-                                       path, provider)
+            return await self.exchange(
+                head, "forward", provider.host, provider.port, True, path, provider
+            )
         return await self.exchange(head, "forward", host, port, False, path, None)
 
     async def serve_origin_form(self, head: http1.RequestHead) -> bool:
@@ -368,9 +478,11 @@ class ClientConnection:
         path = target.split(b"?", 1)[0]
         if path in LOCAL_PATHS:
             if head.body_kind is not http1.BodyKind.NONE:
-                await self.read_body_whole(http1.BodyReader.for_request(head, self.runtime.http_limits), 0)
-            await self.stream.send_all(local_json(
-                {"ok": True, "crew": self.crew.name, "mode": self.crew.mode.value}))
+                reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
+                await self.read_body_whole(reader, 0)
+            await self.stream.send_all(
+                local_json({"ok": True, "crew": self.crew.name, "mode": self.crew.mode.value})
+            )
             return head.keep_alive
         second = target.find(b"/", 1)
         query = target.find(b"?", 1)
@@ -380,19 +492,21 @@ class ClientConnection:
         if route is None:
             raise _Refused(
                 404,
-                Refusal(error="not_found",
-                        message="no such route; use /anthropic/, /openai/, /google/ or a proxy "
-                                "request", crew=self.crew.name),
+                Refusal(
+                    error="not_found",
+                    message="no such route; use /anthropic/, /openai/, /google/ or a proxy request",
+                    crew=self.crew.name,
+                ),
                 close=not head.keep_alive,
             )
         rest = target[end:]
         if rest[:1] != b"/":
             rest = b"/" + rest
         upstream_target = route.path_prefix.encode("ascii") + rest
-        self.check_name_policy("reverse", head.method, route.host, route.port,
-                               not head.keep_alive)
-        return await self.exchange(head, "reverse", route.host, route.port, True,
-                                   upstream_target, route)
+        self.check_name_policy("reverse", head.method, route.host, route.port, not head.keep_alive)
+        return await self.exchange(
+            head, "reverse", route.host, route.port, True, upstream_target, route
+        )
 
     async def exchange(
         self,
@@ -411,22 +525,21 @@ class ClientConnection:
         headers = [
             (name, value)
             for name, value in http1.strip_hop_by_hop(head.headers)
-            if name not in (b"host", b"content-length", b"expect")
+            if name not in _REQUEST_FRAMING
         ]
         injected = False
         if provider is not None:
             target, headers, injected = rewrite_for_provider(provider, target, headers)
         default_port = 443 if tls else 80
-        authority = host if port == default_port else f"{host}:{port}"
-        if ":" in host:
-            authority = f"[{host}]" if port == default_port else f"[{host}]:{port}"
+        authority = f"[{host}]" if ":" in host else host
+        if port != default_port:
+            authority = f"{authority}:{port}"
         headers.insert(0, (b"host", authority.encode("ascii")))
 
         # Body: small or chunked bodies are read whole (chunked is re-framed with a length so the
         # upstream never sees the agent's framing); large ones stream on a fresh connection.
         body: bytes | None = None
         reader: http1.BodyReader | None = None
-        streaming_length = 0
         if head.body_kind is not http1.BodyKind.NONE:
             if head.expect_continue:
                 await self.stream.send_all(CONTINUE)
@@ -434,111 +547,128 @@ class ClientConnection:
             if head.body_kind is http1.BodyKind.CHUNKED or head.content_length <= REPLAYABLE_BODY:
                 body = await self.read_body_whole(reader, limits.max_body_bytes)
                 reader = None
+                headers.append((b"content-length", b"%d" % len(body)))
             else:
-                streaming_length = head.content_length
-        elif head.method in (b"POST", b"PUT", b"PATCH"):
+                headers.append((b"content-length", b"%d" % head.content_length))
+        elif head.method in _METHODS_WITH_BODY:
             body = b""
-        if body is not None:
-            headers.append((b"content-length", b"%d" % len(body)))
-        elif reader is not None:
-            headers.append((b"content-length", b"%d" % streaming_length))
+            headers.append((b"content-length", b"0"))
         request_head = http1.serialize_request_head(head.method, target, headers)
 
         attempt = 0
         while True:
             attempt += 1
             upstream = await self.open_upstream(
-                route_kind, head.method, tls, host, port,
-                fresh=reader is not None or attempt > 1, close=client_close,
+                route_kind,
+                head.method,
+                tls,
+                host,
+                port,
+                fresh=reader is not None or attempt > 1,
+                close=client_close,
             )
+            self.upstream = upstream
             try:
-                if body is not None:
-                    await upstream.stream.send_all(request_head + body)
+                if reader is None:
+                    await upstream.stream.send_all(request_head + body if body else request_head)
                 else:
                     await upstream.stream.send_all(request_head)
-                    if reader is not None:
-                        await self._stream_body_upstream(reader, upstream)
+                    await self._stream_body_upstream(reader, upstream)
                 response = await self._read_response_head(upstream, head.method)
                 break
             except (trio.BrokenResourceError, trio.ClosedResourceError, _UpstreamClosedEarly):
-                await upstream.aclose()
+                upstream.close()
+                self.upstream = None
                 if upstream.reused and attempt == 1 and reader is None:
                     continue  # the pooled connection had gone stale: retry once, fresh
-                raise self._deny(route_kind, head.method, host, port, "upstream_closed", 502,
-                                 f"{host} closed the connection", True) from None
-            except trio.TooSlowError:
-                await upstream.aclose()
-                raise self._deny(route_kind, head.method, host, port, "upstream_timeout", 504,
-                                 f"{host} did not answer in time", True) from None
+                raise self._deny(
+                    route_kind,
+                    head.method,
+                    host,
+                    port,
+                    "upstream_closed",
+                    502,
+                    f"{host} closed the connection",
+                    True,
+                ) from None
             except HttpProtocolError as exc:
-                await upstream.aclose()
-                raise self._deny(route_kind, head.method, host, port, "upstream_protocol_error",
-                                 502, f"{host} sent a malformed response: {exc}", True) from None
-            except BaseException:
-                await upstream.aclose()
-                raise
+                upstream.close()
+                self.upstream = None
+                raise self._deny(
+                    route_kind,
+                    head.method,
+                    host,
+                    port,
+                    "upstream_protocol_error",
+                    502,
+                    f"{host} sent a malformed response: {exc}",
+                    True,
+                ) from None
 
         sink = self.runtime.sink
         crew = self.crew
-        sink.emit(RequestAllowed(crew=crew.name, mode=crew.mode.value, route=route_kind,
-                                 method=head.method.decode("ascii", "replace"), host=host,
-                                 port=port, address=upstream.address,
-                                 rule="provider" if provider else "policy"))
+        sink.emit(
+            RequestAllowed(
+                crew=crew.name,
+                mode=crew.mode.value,
+                route=route_kind,
+                method=head.method.decode("ascii", "replace"),
+                host=host,
+                port=port,
+                address=upstream.address,
+                rule="provider" if provider else "policy",
+            )
+        )
         if injected and provider is not None:
-            sink.emit(CredentialInjected(crew=crew.name, provider=provider.provider.value,
-                                         host=host))
-        try:
-            keep_client = await self._relay_response(head, response, upstream)
-        except BaseException:
-            await upstream.aclose()
-            raise
-        return keep_client
+            sink.emit(
+                CredentialInjected(crew=crew.name, provider=provider.provider.value, host=host)
+            )
+        return await self._relay_response(head, response, upstream)
 
-    async def _stream_body_upstream(self, reader: http1.BodyReader,
-                                    upstream: UpstreamConnection) -> None:
+    async def _stream_body_upstream(
+        self, reader: http1.BodyReader, upstream: UpstreamConnection
+    ) -> None:
         while not reader.done:
-            if self.buffer:
-                data = bytes(self.buffer)
-                self.buffer.clear()
-            else:
-                data = await self._receive_body()
-                if not data:
-                    reader.feed_eof()
+            data = await self._receive_body()
+            if not data:
+                reader.feed_eof()
             piece = reader.feed(data)
             if piece:
                 await upstream.stream.send_all(piece)
         self.buffer[:0] = reader.take_leftover()
 
-    async def _read_response_head(self, upstream: UpstreamConnection,
-                                  method: bytes) -> http1.ResponseHead:
+    async def _read_response_head(
+        self, upstream: UpstreamConnection, method: bytes
+    ) -> http1.ResponseHead:
         buffer = upstream.buffer
-        with trio.fail_after(self.limits.read_timeout):
-            while True:
+        self._expect(Phase.UPSTREAM, self.limits.read_timeout)
+        http_limits = self.runtime.http_limits
+        while True:
+            if buffer:
+                parsed = http1.parse_response_head(buffer, http_limits, request_method=method)
+                if parsed is not None:
+                    response, consumed = parsed
+                    del buffer[:consumed]
+                    if 100 <= response.status < 200:
+                        if response.status == 101:
+                            raise HttpProtocolError("unexpected 101 Switching Protocols")
+                        continue  # interim (100 Continue, 103 Early Hints): not relayed
+                    return response
+            data = await upstream.stream.receive(RECV_SIZE)
+            if not data:
                 if buffer:
-                    parsed = http1.parse_response_head(buffer, self.runtime.http_limits,
-                                                       request_method=method)
-                    if parsed is not None:
-                        response, consumed = parsed
-                        del buffer[:consumed]
-                        if 100 <= response.status < 200:
-                            if response.status == 101:
-                                raise HttpProtocolError("unexpected 101 Switching Protocols")
-                            continue  # interim (100 Continue, 103 Early Hints): not relayed
-                        return response
-                data = await upstream.stream.receive_some(RECV_SIZE)
-                if not data:
-                    if buffer:
-                        raise HttpProtocolError("upstream closed inside a response head")
-                    raise _UpstreamClosedEarly
-                buffer += data
+                    raise HttpProtocolError("upstream closed inside a response head")
+                raise _UpstreamClosedEarly
+            buffer += data
 
-    async def _relay_response(self, head: http1.RequestHead, response: http1.ResponseHead,
-                              upstream: UpstreamConnection) -> bool:
+    async def _relay_response(
+        self, head: http1.RequestHead, response: http1.ResponseHead, upstream: UpstreamConnection
+    ) -> bool:
         reader = http1.BodyReader.for_response(response, self.runtime.http_limits)
         keep_client = head.keep_alive
         headers = http1.strip_hop_by_hop(response.headers)
         kind = response.body_kind
-        rechunk = kind in (http1.BodyKind.CHUNKED, http1.BodyKind.UNTIL_CLOSE)
+        rechunk = kind is http1.BodyKind.CHUNKED or kind is http1.BodyKind.UNTIL_CLOSE
         if rechunk:
             if head.http_version == b"1.1":
                 headers.append((b"transfer-encoding", b"chunked"))
@@ -549,13 +679,14 @@ class ClientConnection:
             headers.append((b"connection", b"close"))
         out = bytearray(http1.serialize_response_head(response.status, response.reason, headers))
         send_all = self.stream.send_all
-        receive = upstream.stream.receive_some
-        read_timeout = self.limits.read_timeout
+        receive = upstream.stream.receive
         buffer = upstream.buffer
-        first = bytes(buffer)
-        buffer.clear()
-        piece = reader.feed(first) if first else b""
+        piece = b""
+        if buffer:
+            piece = reader.feed(bytes(buffer))
+            buffer.clear()
         self.response_started = True
+        self._expect(Phase.RELAY, self.limits.read_timeout)
         while True:
             if piece:
                 out += http1.encode_chunk(piece) if rechunk else piece
@@ -567,19 +698,22 @@ class ClientConnection:
             if out:
                 await send_all(out)
                 out = bytearray()
-            with trio.fail_after(read_timeout):
-                data = await receive(RECV_SIZE)
-            if not data:
+                # Every piece that arrives pushes the deadline back (a slow stream is fine, a
+                # silent one is not).
+                self.scope.deadline = trio.current_time() + self.limits.read_timeout
+            data = await receive(RECV_SIZE)
+            if data:
+                piece = reader.feed(data)
+            else:
                 reader.feed_eof()
                 piece = b""
-            else:
-                piece = reader.feed(data)
+        self.upstream = None
         leftover = reader.take_leftover()
         if response.keep_alive and kind is not http1.BodyKind.UNTIL_CLOSE and not leftover:
             if not self.runtime.dialer.checkin(upstream):
-                await upstream.aclose()
+                upstream.close()
         else:
-            await upstream.aclose()
+            upstream.close()
         return keep_client
 
     # -- tunnels ----------------------------------------------------------------------------
@@ -588,8 +722,16 @@ class ClientConnection:
         try:
             host, port = parse_authority(head.target, -1)
         except PolicyDenied as exc:
-            raise self._deny("tunnel", b"CONNECT", head.target.decode("ascii", "replace"), 0,
-                             exc.rule, 403, str(exc), True) from None
+            raise self._deny(
+                "tunnel",
+                b"CONNECT",
+                head.target.decode("ascii", "replace"),
+                0,
+                exc.rule,
+                403,
+                str(exc),
+                True,
+            ) from None
         if head.body_kind is not http1.BodyKind.NONE:
             raise HttpProtocolError("CONNECT with a body")
         self.check_name_policy("tunnel", b"CONNECT", host, port, True)
@@ -598,20 +740,39 @@ class ClientConnection:
             addresses = await runtime.dialer.resolve(host, port)
             sock = await runtime.dialer.connect_checked(addresses, port, host)
         except PolicyDenied as exc:
-            raise self._deny("tunnel", b"CONNECT", host, port, exc.rule, 403, str(exc),
-                             True) from None
+            raise self._deny(
+                "tunnel", b"CONNECT", host, port, exc.rule, 403, str(exc), True
+            ) from None
         except UpstreamError as exc:
-            raise self._deny("tunnel", b"CONNECT", host, port, "upstream_unreachable",
-                             exc.status_hint, str(exc), True) from None
+            raise self._deny(
+                "tunnel",
+                b"CONNECT",
+                host,
+                port,
+                "upstream_unreachable",
+                exc.status_hint,
+                str(exc),
+                True,
+            ) from None
         runtime.tunnel_ids += 1
         tunnel_id = runtime.tunnel_ids
         crew = self.crew
         address = str(sock.getpeername()[0])
-        runtime.sink.emit(RequestAllowed(crew=crew.name, mode=crew.mode.value, route="tunnel",
-                                         method="CONNECT", host=host, port=port, address=address,
-                                         rule="policy"))
-        runtime.sink.emit(TunnelOpened(crew=crew.name, tunnel_id=tunnel_id, host=host, port=port,
-                                       address=address))
+        runtime.sink.emit(
+            RequestAllowed(
+                crew=crew.name,
+                mode=crew.mode.value,
+                route="tunnel",
+                method="CONNECT",
+                host=host,
+                port=port,
+                address=address,
+                rule="policy",
+            )
+        )
+        runtime.sink.emit(
+            TunnelOpened(crew=crew.name, tunnel_id=tunnel_id, host=host, port=port, address=address)
+        )
         started = trio.current_time()
         stats = tunnel.TunnelStats(reason="error")
         try:
@@ -619,19 +780,38 @@ class ClientConnection:
             await self.stream.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
             prefix = bytes(self.buffer)
             self.buffer.clear()
-            stats = await tunnel.relay(self.stream.socket, sock, client_prefix=prefix,
-                                       idle_timeout=self.limits.tunnel_idle_timeout)
+            # The tunnel has its own idle deadline; lift the connection's.
+            self.phase = Phase.RELAY
+            self.scope.deadline = math.inf
+            stats = await tunnel.relay(
+                self.stream.sock,
+                sock,
+                client_prefix=prefix,
+                idle_timeout=self.limits.tunnel_idle_timeout,
+            )
         finally:
+            trio.lowlevel.notify_closing(sock)
             sock.close()
-            runtime.sink.emit(TunnelClosed(crew=crew.name, tunnel_id=tunnel_id, host=host,
-                                           port=port, bytes_up=stats.bytes_up,
-                                           bytes_down=stats.bytes_down,
-                                           duration=round(trio.current_time() - started, 6),
-                                           reason=stats.reason))
+            runtime.sink.emit(
+                TunnelClosed(
+                    crew=crew.name,
+                    tunnel_id=tunnel_id,
+                    host=host,
+                    port=port,
+                    bytes_up=stats.bytes_up,
+                    bytes_down=stats.bytes_down,
+                    duration=round(trio.current_time() - started, 6),
+                    reason=stats.reason,
+                )
+            )
 
 
 class _UpstreamClosedEarly(Exception):
     """The upstream closed before any byte of a response (a stale pooled connection)."""
+
+
+_REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect"})
+_METHODS_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
 
 
 # -- listening --------------------------------------------------------------------------------
@@ -671,30 +851,53 @@ async def serve(
     sink: EventSink,
     *,
     listeners: list[trio.SocketListener] | None = None,
+    control_channel: trio.SocketStream | None = None,
     task_status: trio.TaskStatus[ProxyRuntime] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the proxy until cancelled."""
     runtime = ProxyRuntime(config, sink)
     if listeners is None:
         listeners = bind_listeners(config, reuse_port=config.listen.workers > 1)
-    max_connections = config.limits.max_connections
+    limits = config.limits
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def handle(trio_stream: trio.SocketStream) -> None:
+        stream = PlainStream.adopt(trio_stream.socket)
         try:
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            local = stream.socket.getsockname()[0]
+            stream.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            local = str(stream.sock.getsockname()[0]).split("%", 1)[0]
         except OSError:
-            await trio.aclose_forcefully(stream)
+            stream.close()
             return
-        crew = runtime.crew_for(str(local).split("%", 1)[0])
+        crew = runtime.crew_for(local)
         if crew is None:
-            await _refuse_and_close(stream, 403, Refusal(
-                error="unknown_gateway", rule="unknown_gateway",
-                message=f"no crew is served on {local}"))
+            await _refuse_and_close(
+                stream,
+                403,
+                Refusal(
+                    error="unknown_gateway",
+                    rule="unknown_gateway",
+                    message=f"no crew is served on {local}",
+                ),
+            )
             return
-        if runtime.connections >= max_connections:
-            await _refuse_and_close(stream, 503, Refusal(
-                error="overloaded", message="too many connections", crew=crew.name))
+        if runtime.connections >= limits.max_connections:
+            await _refuse_and_close(
+                stream,
+                503,
+                Refusal(error="overloaded", message="too many connections", crew=crew.name),
+            )
+            return
+        if crew.connections >= limits.max_connections_per_crew:
+            await _refuse_and_close(
+                stream,
+                503,
+                Refusal(
+                    error="overloaded",
+                    rule="max_connections_per_crew",
+                    crew=crew.name,
+                    message=f"crew {crew.name} has {crew.connections} open connections",
+                ),
+            )
             return
         runtime.connections += 1
         crew.connections += 1
@@ -704,18 +907,28 @@ async def serve(
             runtime.connections -= 1
             crew.connections -= 1
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sink.run)
-        if config.control.socket:
-            await nursery.start(serve_control, config.control.socket, runtime.handle_control)
-        for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, handle, nursery)
-        task_status.started(runtime)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            handler = runtime.handle_control_async
+            if control_channel is not None:
+                # A worker of a supervisor: control messages arrive over a socketpair.
+                nursery.start_soon(serve_control_stream, control_channel, handler)
+            elif config.control.socket:
+                await nursery.start(serve_control_socket, config.control.socket, handler)
+            for listener in listeners:
+                nursery.start_soon(_accept_loop, listener, handle, nursery)
+            task_status.started(runtime)
+    finally:
+        for connection in runtime.dialer.discard_idle():
+            connection.close()
 
 
-async def _accept_loop(listener: trio.SocketListener,
-                       handler: Callable[[trio.SocketStream], Awaitable[None]],
-                       nursery: trio.Nursery) -> None:
+async def _accept_loop(
+    listener: trio.SocketListener,
+    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
     while True:
         try:
             stream = await listener.accept()
@@ -730,16 +943,16 @@ async def _accept_loop(listener: trio.SocketListener,
         nursery.start_soon(handler, stream)
 
 
-async def _refuse_and_close(stream: trio.SocketStream, status: int, body: Refusal) -> None:
-    with trio.move_on_after(2):
+async def _refuse_and_close(stream: PlainStream, status: int, body: Refusal) -> None:
+    with trio.move_on_after(LINGER_SECONDS):
         try:
             await stream.send_all(refusal(status, body, close=True))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except trio.BrokenResourceError:
             pass
     await lingering_close(stream)
 
 
-async def lingering_close(stream: trio.SocketStream) -> None:
+async def lingering_close(stream: PlainStream) -> None:
     """Close after a refusal without destroying it.
 
     Closing a socket that still holds unread input makes the kernel send RST, and an RST can
@@ -747,72 +960,15 @@ async def lingering_close(stream: trio.SocketStream) -> None:
     sending (bounded in bytes and time), then close (the "lingering close" of Apache and nginx).
     """
     try:
-        stream.socket.shutdown(socket.SHUT_WR)
+        stream.shutdown_write()
         with trio.move_on_after(LINGER_SECONDS):
             drained = 0
             while drained < LINGER_BYTES:
-                data = await stream.receive_some(RECV_SIZE)
+                data = await stream.receive(RECV_SIZE)
                 if not data:
                     break
                 drained += len(data)
-    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+    except (OSError, trio.BrokenResourceError):
         pass
     finally:
-        await trio.aclose_forcefully(stream)
-
-
-# -- control socket ---------------------------------------------------------------------------
-
-
-async def serve_control(
-    path: str,
-    handler: Callable[[control.ControlMessage], control.ControlReply],
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve typed control messages on a Unix socket only its owner can open (0600)."""
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)  # created 0600: no window in which others could connect
-    try:
-        await sock.bind(path)
-    finally:
-        os.umask(old_umask)
-    sock.listen(16)
-    listener = trio.SocketListener(sock)
-
-    async def one(stream: trio.SocketStream) -> None:
-        buffer = bytearray()
-        async with stream:
-            while True:
-                with trio.move_on_after(30):
-                    data = await stream.receive_some(65536)
-                if not data:
-                    return
-                buffer += data
-                if len(buffer) > 1 << 20:
-                    return
-                while b"\n" in buffer:
-                    line, _, rest = bytes(buffer).partition(b"\n")
-                    buffer[:] = rest
-                    try:
-                        message: Any = control.message_decoder.decode(line)
-                        reply = handler(message)
-                    except msgspec.DecodeError as exc:
-                        reply = control.ControlReply(ok=False, error=f"bad message: {exc}")
-                    await stream.send_all(control.encoder.encode(reply) + b"\n")
-
-    try:
-        task_status.started()
-        await trio.serve_listeners(one, [listener])
-    finally:
-        with trio.move_on_after(1) as cleanup:
-            cleanup.shield = True
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        stream.close()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import trio
 
+from .fastio import PlainStream
+
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, missing from older Python builds
 PIPE_SIZE = 1 << 20
 CHUNK = 1 << 20
@@ -43,8 +45,8 @@ class _Activity:
 
 
 async def relay(
-    client: trio.socket.SocketType,
-    upstream: trio.socket.SocketType,
+    client: socket.socket,
+    upstream: socket.socket,
     *,
     client_prefix: bytes,
     idle_timeout: float,
@@ -69,8 +71,8 @@ async def relay(
 
 
 async def _pump(
-    src: trio.socket.SocketType,
-    dst: trio.socket.SocketType,
+    src: socket.socket,
+    dst: socket.socket,
     stats: TunnelStats,
     upward: bool,
     activity: _Activity,
@@ -92,8 +94,8 @@ def _count(stats: TunnelStats, upward: bool, n: int) -> None:
 
 
 async def _pump_splice(
-    src: trio.socket.SocketType,
-    dst: trio.socket.SocketType,
+    src: socket.socket,
+    dst: socket.socket,
     stats: TunnelStats,
     upward: bool,
     activity: _Activity,
@@ -129,26 +131,22 @@ async def _pump_splice(
 
 
 async def _pump_copy(
-    src: trio.socket.SocketType,
-    dst: trio.socket.SocketType,
+    src: socket.socket,
+    dst: socket.socket,
     stats: TunnelStats,
     upward: bool,
     activity: _Activity,
 ) -> None:
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
+    source, sink = PlainStream(src), PlainStream(dst)
     while True:
-        n = await src.recv_into(buffer)
-        if n == 0:
+        data = await source.receive(CHUNK)
+        if not data:
             return
         activity.touch()
-        await _send_all(dst, view[:n])
-        _count(stats, upward, n)
+        await sink.send_all(data)
+        _count(stats, upward, len(data))
         activity.touch()
 
 
-async def _send_all(sock: trio.socket.SocketType, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        sent = await sock.send(view)
-        view = view[sent:]
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    await PlainStream(sock).send_all(data)

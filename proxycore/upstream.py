@@ -14,6 +14,7 @@ certificate against the host name (credentials only ever travel on such connecti
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import trio
 
 from .errors import PolicyDenied, UpstreamError
+from .fastio import ByteStream, PlainStream, TlsStream
 from .ssrf import AddressGuard
 
 PoolKey = tuple[bool, str, int]
@@ -34,14 +36,13 @@ class UpstreamConnection:
 
     key: PoolKey
     address: str
-    stream: trio.abc.Stream
-    sock: trio.socket.SocketType
+    stream: ByteStream
     buffer: bytearray = field(default_factory=bytearray)
     reused: bool = False
     idle_since: float = 0.0
 
-    async def aclose(self) -> None:
-        await trio.aclose_forcefully(self.stream)
+    def close(self) -> None:
+        self.stream.close()
 
 
 def make_tls_context(ca_file: str | None, ca_file_only: bool) -> ssl.SSLContext:
@@ -114,7 +115,7 @@ class Dialer:
             if now - connection.idle_since > IDLE_POOL_SECONDS:
                 # Servers close idle keep-alive connections after a few seconds (nginx 75 s,
                 # many APIs less); older ones are likelier dead than reusable.
-                await connection.aclose()
+                connection.close()
                 continue
             connection.reused = True
             return connection
@@ -123,40 +124,51 @@ class Dialer:
     async def open(self, tls: bool, host: str, port: int) -> UpstreamConnection:
         addresses = await self.resolve(host, port)
         sock = await self.connect_checked(addresses, port, host)
-        stream: trio.abc.Stream = trio.SocketStream(sock)
-        if tls:
-            ssl_stream = trio.SSLStream(stream, self.tls, server_hostname=host, https_compatible=True)
-            try:
-                with trio.fail_after(self.connect_timeout):
-                    await ssl_stream.do_handshake()
-            except trio.TooSlowError:
-                await trio.aclose_forcefully(stream)
-                raise UpstreamError(f"TLS handshake with {host} timed out", status_hint=504) from None
-            except (trio.BrokenResourceError, ssl.SSLError) as exc:
-                await trio.aclose_forcefully(stream)
-                cause = exc.__cause__ if exc.__cause__ is not None else exc
-                raise UpstreamError(f"TLS with {host} failed: {cause}") from None
-            stream = ssl_stream
-        peer = sock.getpeername()[0]
-        return UpstreamConnection((tls, host, port), str(peer), stream, sock)
+        peer = str(sock.getpeername()[0])
+        if not tls:
+            return UpstreamConnection((tls, host, port), peer, PlainStream(sock))
+        transport = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        ssl_stream = trio.SSLStream(
+            transport, self.tls, server_hostname=host, https_compatible=True
+        )
+        try:
+            with trio.fail_after(self.connect_timeout):
+                await ssl_stream.do_handshake()
+        except trio.TooSlowError:
+            await trio.aclose_forcefully(transport)
+            raise UpstreamError(f"TLS handshake with {host} timed out", status_hint=504) from None
+        except (trio.BrokenResourceError, ssl.SSLError) as exc:
+            await trio.aclose_forcefully(transport)
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            raise UpstreamError(f"TLS with {host} failed: {cause}") from None
+        return UpstreamConnection((tls, host, port), peer, TlsStream(ssl_stream, sock))
 
     async def connect_checked(
         self, addresses: Iterable[str], port: int, host: str
-    ) -> trio.socket.SocketType:
-        """Connect to the first reachable address of those already checked."""
+    ) -> socket.socket:
+        """Connect (non-blocking) to the first reachable address of those already checked."""
         last_error = "no address"
         for address in addresses:
             family = socket.AF_INET6 if ":" in address else socket.AF_INET
-            sock = trio.socket.socket(family, socket.SOCK_STREAM)
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 with trio.fail_after(self.connect_timeout):
-                    await sock.connect((address, port))
+                    try:
+                        sock.connect((address, port))
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_writable(sock)
+                        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                        if error:
+                            raise OSError(error, os.strerror(error)) from None
                 return sock
             except trio.TooSlowError:
+                trio.lowlevel.notify_closing(sock)
                 sock.close()
                 last_error = f"connect to {address}:{port} timed out"
             except OSError as exc:
+                trio.lowlevel.notify_closing(sock)
                 sock.close()
                 last_error = f"connect to {address}:{port} failed: {exc.strerror or exc}"
         raise UpstreamError(f"cannot reach {host}: {last_error}")

@@ -49,6 +49,14 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0, process=None) -> 
     raise TimeoutError(f"{host}:{port} did not open")
 
 
+def wait_for_path(path: Path, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def ca() -> trustme.CA:
     return trustme.CA()
@@ -186,8 +194,10 @@ flush_interval = 0.05
 
 
 def start_proxy(config_path: Path, *, host: str, port: int, events: Path,
-                control: Path | None = None, netns: str | None = None) -> RunningProxy:
-    command = [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config_path)]
+                control: Path | None = None, netns: str | None = None,
+                workers: int = 1) -> RunningProxy:
+    command = [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config_path),
+               "--workers", str(workers)]
     if netns:
         command = ["ip", "netns", "exec", netns, *command]
     process = subprocess.Popen(command, env=proxy_env(), stderr=subprocess.PIPE,
@@ -220,7 +230,7 @@ def _wait_netns_port(netns: str, host: str, port: int, process: subprocess.Popen
 def make_proxy(tmp_path: Path, provider: FakeServer, ca_file: str):
     started: list[RunningProxy] = []
 
-    def make(**kwargs: object) -> RunningProxy:
+    def make(workers: int = 1, **kwargs: object) -> RunningProxy:
         port = free_port()
         sub = tmp_path / f"p{len(started)}"
         sub.mkdir()
@@ -228,7 +238,9 @@ def make_proxy(tmp_path: Path, provider: FakeServer, ca_file: str):
             sub, port=port, provider_port=provider.port, ca_file=ca_file, **kwargs  # type: ignore[arg-type]
         )
         proxy = start_proxy(config, host=str(kwargs.get("gateway", "127.0.0.1")), port=port,
-                            events=events, control=control)
+                            events=events, control=control, workers=workers)
+        if control is not None:
+            wait_for_path(control)
         started.append(proxy)
         return proxy
 

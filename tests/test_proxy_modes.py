@@ -293,3 +293,27 @@ def test_mode_none_refuses_every_route(make_proxy) -> None:
     response = httpx.post(f"{proxy.url}/anthropic/v1/messages", json={})
     assert response.status_code == 403
     assert response.json()["rule"] == "mode_none"
+
+
+def test_workers_share_the_port_and_the_run_time_allowlist(make_proxy,
+                                                          plain_host: FakeServer) -> None:
+    proxy = make_proxy(workers=2, with_control=True)
+    url = f"http://other.test:{plain_host.port}/x"
+    allow = subprocess.run(
+        ["python", "-m", "appliance.cli", "--json", "proxy-allow", "--socket",
+         str(proxy.control_socket), "test", "other.test"],
+        capture_output=True, text=True, timeout=20)
+    assert allow.returncode == 0, allow.stderr
+    # New connections are spread over both workers by the kernel; every one must see the entry.
+    statuses = []
+    for _ in range(20):
+        with httpx.Client(proxy=proxy.url, timeout=10) as client:
+            statuses.append(client.get(url).status_code)
+    assert statuses == [200] * 20
+    workers = {line.split(":")[0] for line in _worker_lines(proxy)}
+    assert workers == {"proxy worker 0", "proxy worker 1"}
+
+
+def _worker_lines(proxy: RunningProxy) -> list[str]:
+    text = proxy.stop()
+    return [line for line in text.splitlines() if line.startswith("proxy worker")]
