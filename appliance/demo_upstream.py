@@ -101,6 +101,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        self.fake.connections += 1
+
     def _record(self) -> bytes:
         length = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(length) if length else b""

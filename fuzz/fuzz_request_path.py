@@ -148,6 +148,7 @@ async def _run_one(data: bytes, how: int, seed: int) -> tuple[bytes, MemorySink]
     with trio.move_on_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(upstream_server)
+            nursery.start_soon(runtime.reap_expired)
             nursery.start_soon(drain)
             nursery.start_soon(feed)
             connection = ClientConnection(runtime, stream, runtime.crews["127.0.0.1"])

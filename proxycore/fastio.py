@@ -24,6 +24,10 @@ _FAIRNESS = 16
 
 
 class ByteStream(Protocol):
+    def try_receive(self, max_bytes: int) -> bytes | None:
+        """What the kernel has now (b"" at EOF), or None if a receive would block."""
+        ...
+
     async def receive(self, max_bytes: int) -> bytes: ...
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
@@ -52,6 +56,14 @@ class PlainStream:
         if self._unyielded >= _FAIRNESS:
             self._unyielded = 0
             await checkpoint()
+
+    def try_receive(self, max_bytes: int) -> bytes | None:
+        try:
+            return self.sock.recv(max_bytes)
+        except BlockingIOError:
+            return None
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise trio.BrokenResourceError(str(exc)) from None
 
     async def receive(self, max_bytes: int) -> bytes:
         sock = self.sock
@@ -112,6 +124,9 @@ class TlsStream:
     def __init__(self, ssl_stream: trio.SSLStream[trio.SocketStream], raw: socket.socket) -> None:
         self.ssl_stream = ssl_stream
         self.raw = raw
+
+    def try_receive(self, max_bytes: int) -> bytes | None:
+        return None  # TLS records need the SSL object: always go through receive()
 
     async def receive(self, max_bytes: int) -> bytes:
         return await self.ssl_stream.receive_some(max_bytes)

@@ -26,18 +26,15 @@ import enum
 import errno
 import logging
 import math
-import os
 import socket
-import stat
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-import msgspec
 import trio
 
 from . import control, http1, tunnel
 from .config import DEFAULT_BASE_URLS, ProxyConfig, crew_policy
+from .control_server import serve_control_socket, serve_control_stream
 from .credentials import Provider, ProviderRoute, load_credential, rewrite_for_provider, route_for
 from .errors import HttpProtocolError, PolicyDenied, ProxyError, UpstreamError
 from .events import (
@@ -50,17 +47,16 @@ from .events import (
     TunnelClosed,
     TunnelOpened,
 )
-from .fastio import PlainStream
+from .fastio import ByteStream, PlainStream
 from .policy import (
     Allowlist,
+    EgressDecision,
     NetworkMode,
     decide_egress,
-    looks_like_ip_shorthand,
     normalize_host,
     parse_authority,
     parse_mode,
 )
-from .control_server import serve_control_socket, serve_control_stream
 from .refusals import Refusal, local_json, refusal
 from .ssrf import AddressGuard
 from .upstream import Dialer, UpstreamConnection, make_tls_context
@@ -73,6 +69,8 @@ RECV_SIZE = 65536
 REPLAYABLE_BODY = 64 * 1024
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LINGER_SECONDS = 1.0
+MEMO_SIZE = 4096
+REAP_INTERVAL = 0.25
 LINGER_BYTES = 256 * 1024
 LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
 
@@ -84,6 +82,23 @@ class CrewState:
     mode: NetworkMode
     allowlist: Allowlist
     connections: int = 0
+    # Memo of decide_egress for this crew; a crew's mode is fixed, and the memo is cleared
+    # whenever its allowlist changes, so a cached decision is always the current one.
+    decisions: dict[tuple[str, int], EgressDecision] = field(default_factory=dict)
+
+    def decide(self, host: str, port: int) -> EgressDecision:
+        key = (host, port)
+        decision = self.decisions.get(key)
+        if decision is None:
+            if len(self.decisions) >= MEMO_SIZE:
+                self.decisions.clear()
+            decision = self.decisions[key] = decide_egress(self.mode, self.allowlist, host, port)
+        return decision
+
+    def allow(self, host: str) -> bool:
+        added = self.allowlist.add(host)
+        self.decisions.clear()
+        return added
 
 
 class ProxyRuntime:
@@ -130,6 +145,32 @@ class ProxyRuntime:
         )
         self.connections = 0
         self.tunnel_ids = 0
+        self._authorities: dict[bytes, tuple[str, int]] = {}
+        self.live: set[ClientConnection] = set()
+
+    async def reap_expired(self) -> None:
+        """Cancel connections whose phase deadline has passed, every `REAP_INTERVAL` seconds.
+
+        Each connection keeps its deadline as a plain float that it sets before a wait; moving a
+        trio deadline instead costs a heap operation per wait, several per request. Timeouts are
+        seconds long, so enforcing them within `REAP_INTERVAL` is precise enough.
+        """
+        while True:
+            await trio.sleep(REAP_INTERVAL)
+            now = trio.current_time()
+            for connection in list(self.live):
+                if connection.deadline <= now:
+                    connection.scope.cancel()
+
+    def parse_authority(self, authority: bytes) -> tuple[str, int]:
+        """`policy.parse_authority` for forward requests, memoized (it is pure)."""
+        parsed = self._authorities.get(authority)
+        if parsed is None:
+            parsed = parse_authority(authority, 80)
+            if len(self._authorities) >= MEMO_SIZE:
+                self._authorities.clear()
+            self._authorities[authority] = parsed
+        return parsed
 
     def crew_for(self, local_address: str) -> CrewState | None:
         return self.crews.get(local_address)
@@ -147,14 +188,12 @@ class ProxyRuntime:
             host = normalize_host(message.host)
         except PolicyDenied:
             return control.ControlReply(ok=False, error=f"not a valid host: {message.host!r}")
-        added = crew.allowlist.add(host)
+        added = crew.allow(host)
         if added:
             self.sink.emit(AllowlistChanged(crew=crew.name, host=host, added=True))
         return control.ControlReply(ok=True, changed=added)
 
-    async def handle_control_async(
-        self, message: control.ControlMessage
-    ) -> control.ControlReply:
+    async def handle_control_async(self, message: control.ControlMessage) -> control.ControlReply:
         return self.handle_control(message)
 
 
@@ -193,11 +232,18 @@ class ClientConnection:
         self.limits = runtime.limits
         self.phase = Phase.IDLE
         self.scope = trio.CancelScope()
+        # Enforced by the runtime's reaper (see `reap_expired`), not by moving a trio deadline.
+        self.deadline = math.inf
         self.upstream: UpstreamConnection | None = None
 
-    def _expect(self, phase: Phase, timeout: float) -> None:
-        self.phase = phase
-        self.scope.deadline = trio.current_time() + timeout
+    async def _receive(self, stream: ByteStream, phase: Phase, deadline: float) -> bytes:
+        """Receive for `phase`; the deadline is armed only if the kernel has nothing yet."""
+        data = stream.try_receive(RECV_SIZE)
+        if data is None:
+            self.phase = phase
+            self.deadline = deadline
+            data = await stream.receive(RECV_SIZE)
+        return data
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -205,10 +251,10 @@ class ClientConnection:
         """The next request head, or None when the agent closed the connection."""
         limits = self.limits
         buffer = self.buffer
-        if buffer:
-            self._expect(Phase.HEAD, limits.head_timeout)
-        else:
-            self._expect(Phase.IDLE, limits.idle_keepalive_timeout)
+        now = trio.current_time()
+        # Idle between requests: the keep-alive timeout. From the first byte of a head, the whole
+        # head must arrive within head_timeout (slowloris), however it is dribbled.
+        head_deadline = now + limits.head_timeout if buffer else math.inf
         while True:
             if buffer:
                 parsed = http1.parse_request_head(buffer, self.runtime.http_limits)
@@ -216,14 +262,18 @@ class ClientConnection:
                     head, consumed = parsed
                     del buffer[:consumed]
                     return head
-            data = await self.stream.receive(RECV_SIZE)
+            if buffer:
+                data = await self._receive(self.stream, Phase.HEAD, head_deadline)
+            else:
+                data = await self._receive(
+                    self.stream, Phase.IDLE, now + limits.idle_keepalive_timeout
+                )
             if not data:
                 if buffer:
                     raise HttpProtocolError("connection closed inside a request head")
                 return None
-            if self.phase is Phase.IDLE:
-                # The first byte of a head: the whole head must follow within head_timeout.
-                self._expect(Phase.HEAD, limits.head_timeout)
+            if not buffer:
+                head_deadline = trio.current_time() + limits.head_timeout
             buffer += data
 
     async def _receive_body(self) -> bytes:
@@ -231,8 +281,8 @@ class ClientConnection:
             data = bytes(self.buffer)
             self.buffer.clear()
             return data
-        self._expect(Phase.BODY, self.limits.read_timeout)
-        return await self.stream.receive(RECV_SIZE)
+        deadline = trio.current_time() + self.limits.read_timeout
+        return await self._receive(self.stream, Phase.BODY, deadline)
 
     async def read_body_whole(self, reader: http1.BodyReader, cap: int) -> bytes:
         body = bytearray()
@@ -260,11 +310,16 @@ class ClientConnection:
 
     async def run(self) -> None:
         refusal_bytes: bytes | None = None
-        with self.scope:
-            try:
-                refusal_bytes = await self._serve_requests()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        live = self.runtime.live
+        live.add(self)
+        try:
+            with self.scope:
+                try:
+                    refusal_bytes = await self._serve_requests()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        finally:
+            live.discard(self)
         if self.upstream is not None:
             # Interrupted mid-exchange (timeout, broken agent socket): never pool it.
             self.upstream.close()
@@ -394,22 +449,12 @@ class ClientConnection:
         self, route: str, method: bytes, host: str, port: int, close: bool
     ) -> None:
         crew = self.crew
-        if looks_like_ip_shorthand(host):
-            raise self._deny(
-                route,
-                method,
-                host,
-                port,
-                "ip_shorthand",
-                403,
-                f"{host} is a numeric shorthand for an address; refused",
-                close,
-            )
-        decision = decide_egress(crew.mode, crew.allowlist, host, port)
+        decision = crew.decide(host, port)
         if not decision.allowed:
             why = {
                 "mode_none": f"crew {crew.name} has network mode none: no egress at all",
                 "not_in_allowlist": f"{host} is not on the allowlist of crew {crew.name}",
+                "ip_shorthand": f"{host} is a numeric shorthand for an address; refused",
             }.get(decision.rule, f"{host} refused by rule {decision.rule}")
             raise self._deny(route, method, host, port, decision.rule, 403, why, close)
 
@@ -451,7 +496,7 @@ class ClientConnection:
         path = path.split(b"#", 1)[0] or b"/"
         close = not head.keep_alive
         try:
-            host, port = parse_authority(authority, 80)
+            host, port = self.runtime.parse_authority(authority)
         except PolicyDenied as exc:
             raise self._deny(
                 "forward",
@@ -641,7 +686,7 @@ class ClientConnection:
         self, upstream: UpstreamConnection, method: bytes
     ) -> http1.ResponseHead:
         buffer = upstream.buffer
-        self._expect(Phase.UPSTREAM, self.limits.read_timeout)
+        deadline = trio.current_time() + self.limits.read_timeout
         http_limits = self.runtime.http_limits
         while True:
             if buffer:
@@ -654,7 +699,7 @@ class ClientConnection:
                             raise HttpProtocolError("unexpected 101 Switching Protocols")
                         continue  # interim (100 Continue, 103 Early Hints): not relayed
                     return response
-            data = await upstream.stream.receive(RECV_SIZE)
+            data = await self._receive(upstream.stream, Phase.UPSTREAM, deadline)
             if not data:
                 if buffer:
                     raise HttpProtocolError("upstream closed inside a response head")
@@ -679,14 +724,14 @@ class ClientConnection:
             headers.append((b"connection", b"close"))
         out = bytearray(http1.serialize_response_head(response.status, response.reason, headers))
         send_all = self.stream.send_all
-        receive = upstream.stream.receive
+        stream = upstream.stream
         buffer = upstream.buffer
         piece = b""
         if buffer:
             piece = reader.feed(bytes(buffer))
             buffer.clear()
         self.response_started = True
-        self._expect(Phase.RELAY, self.limits.read_timeout)
+        read_timeout = self.limits.read_timeout
         while True:
             if piece:
                 out += http1.encode_chunk(piece) if rechunk else piece
@@ -698,10 +743,8 @@ class ClientConnection:
             if out:
                 await send_all(out)
                 out = bytearray()
-                # Every piece that arrives pushes the deadline back (a slow stream is fine, a
-                # silent one is not).
-                self.scope.deadline = trio.current_time() + self.limits.read_timeout
-            data = await receive(RECV_SIZE)
+            # Each piece re-arms the deadline: a slow stream is fine, a silent one is not.
+            data = await self._receive(stream, Phase.RELAY, trio.current_time() + read_timeout)
             if data:
                 piece = reader.feed(data)
             else:
@@ -782,7 +825,7 @@ class ClientConnection:
             self.buffer.clear()
             # The tunnel has its own idle deadline; lift the connection's.
             self.phase = Phase.RELAY
-            self.scope.deadline = math.inf
+            self.deadline = math.inf
             stats = await tunnel.relay(
                 self.stream.sock,
                 sock,
@@ -910,6 +953,7 @@ async def serve(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
+            nursery.start_soon(runtime.reap_expired)
             handler = runtime.handle_control_async
             if control_channel is not None:
                 # A worker of a supervisor: control messages arrive over a socketpair.

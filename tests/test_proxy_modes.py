@@ -139,12 +139,15 @@ def _plain_port() -> int:
 def test_forward_proxy_keep_alive_and_upstream_reuse(proxy: RunningProxy,
                                                      plain_host: FakeServer) -> None:
     url = f"http://plain.test:{plain_host.port}/echo"
+    connections_before = plain_host.connections
     with httpx.Client(proxy=proxy.url, timeout=10) as client:
         for _ in range(5):
             response = client.get(url)
             assert response.status_code == 200
             assert response.json()["host"] == f"plain.test:{plain_host.port}"
     assert len(plain_host.received) == 5
+    # Five requests, one upstream connection: the proxy pooled and reused it.
+    assert plain_host.connections - connections_before == 1
     # One upstream connection served all five (the fake counts requests per connection via
     # its handler; httpx reused the client side).
     allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed)]
@@ -317,3 +320,98 @@ def test_workers_share_the_port_and_the_run_time_allowlist(make_proxy,
 def _worker_lines(proxy: RunningProxy) -> list[str]:
     text = proxy.stop()
     return [line for line in text.splitlines() if line.startswith("proxy worker")]
+
+
+BYPASSES = [
+    "plain.test.",  # trailing dot
+    "test",  # parent
+    "x.plain.test",  # child
+    "plain.test.evil.test",
+    "evil.test@plain.test",
+    "plain.test%00",
+    "plain.tes",
+    "lain.test",
+    "[::1]",
+    "127.0.0.1",
+]
+
+
+@pytest.mark.parametrize("host", BYPASSES)
+def test_allowlist_bypass_attempts_are_refused(proxy: RunningProxy, plain_host: FakeServer,
+                                               host: str) -> None:
+    plain_host.clear()
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET http://%s/ HTTP/1.1\r\nHost: plain.test\r\nConnection: close\r\n\r\n"
+                     % host.encode())
+        data = _read_all(sock)
+    assert data.startswith(b"HTTP/1.1 403 "), data[:200]
+    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert body["rule"] in ("not_in_allowlist", "malformed_host"), body
+    assert not plain_host.received
+
+
+def test_mixed_case_host_is_the_same_host(proxy: RunningProxy, plain_host: FakeServer) -> None:
+    # Lowercasing is part of exact matching (host names are case-insensitive, RFC 4343).
+    result = curl("-x", proxy.url, f"http://PLAIN.Test:{plain_host.port}/echo")
+    assert json.loads(result.stdout)["path"] == "/echo"
+
+
+def test_whitespace_in_host_is_refused(proxy: RunningProxy) -> None:
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET http://plain.test\t/ HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = _read_all(sock)
+    assert data.startswith(b"HTTP/1.1 400 ") or data.startswith(b"HTTP/1.1 403 ")
+
+
+def test_connect_idle_tunnel_is_closed(make_proxy, plain_host: FakeServer) -> None:
+    proxy = make_proxy(allow=["plain.test"], extra="[limits]\ntunnel_idle_timeout = 1.0\n")
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"CONNECT plain.test:%d HTTP/1.1\r\nHost: x\r\n\r\n" % plain_host.port)
+        started = time.monotonic()
+        data = _read_all(sock)  # nothing sent through: the tunnel goes idle and is closed
+        elapsed = time.monotonic() - started
+    assert data.startswith(b"HTTP/1.1 200")
+    assert 0.9 < elapsed < 5
+    closed = [e for e in proxy.events() if isinstance(e, TunnelClosed)]
+    assert closed and closed[-1].reason == "idle_timeout"
+
+
+def test_provider_with_untrusted_certificate_gets_no_key(make_proxy, tmp_path) -> None:
+    import ssl
+
+    import trustme
+
+    from appliance.demo_upstream import start_fake
+
+    rogue_ca = trustme.CA()  # not the CA the proxy trusts
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    rogue_ca.issue_cert("api.anthropic.test").configure_cert(context)
+    rogue = start_fake(tls_context=context)
+    try:
+        proxy = make_proxy(extra="")
+        text = proxy.config_path.read_text().replace(
+            f"https://api.anthropic.test:{_provider_port(proxy)}",
+            f"https://api.anthropic.test:{rogue.port}")
+        proxy.stop()
+        proxy.config_path.write_text(text)
+        from tests.conftest import start_proxy
+
+        proxy2 = start_proxy(proxy.config_path, host="127.0.0.1", port=proxy.port,
+                             events=proxy.events_path)
+        try:
+            response = httpx.post(f"{proxy2.url}/anthropic/v1/messages", json={}, timeout=10)
+        finally:
+            proxy2.stop()
+        assert response.status_code == 502
+        assert "TLS" in response.json()["message"]
+        assert rogue.received == []  # the TLS handshake failed: no request, no key
+    finally:
+        rogue.close()
+
+
+def _provider_port(proxy: RunningProxy) -> int:
+    import re
+
+    match = re.search(r"https://api\.anthropic\.test:(\d+)", proxy.config_path.read_text())
+    assert match
+    return int(match.group(1))
