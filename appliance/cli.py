@@ -150,8 +150,10 @@ def cmd_proxy_allow(args: argparse.Namespace, out: _Output) -> int:
     if not reply.ok:
         return out.error(reply.error or "refused", EXIT_FAILURE)
     state = "added" if reply.changed else "already allowed"
-    out.result(f"{args.host}: {state} for crew {args.crew}",
-               {"ok": True, "crew": args.crew, "host": args.host, "changed": reply.changed})
+    out.result(
+        f"{args.host}: {state} for crew {args.crew}",
+        {"ok": True, "crew": args.crew, "host": args.host, "changed": reply.changed},
+    )
     return EXIT_OK
 
 
@@ -170,18 +172,24 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--config", required=True, help="TOML configuration file")
     proxy.add_argument("--workers", type=int, default=0, help="worker processes (SO_REUSEPORT)")
     proxy.add_argument("--check", action="store_true", help="validate the config and exit")
-    proxy.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    proxy.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     proxy.set_defaults(func=cmd_proxy)
 
     allow = commands.add_parser("proxy-allow", help="add a host to a crew's allowlist at run time")
     allow.add_argument("--socket", required=True, help="the proxy's control socket")
     allow.add_argument("crew")
     allow.add_argument("host")
-    allow.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    allow.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     allow.set_defaults(func=cmd_proxy_allow)
 
     demo = commands.add_parser("demo", help="a scripted tour against a local fake provider")
-    demo.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    demo.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -51,12 +51,18 @@ def _make_tls(workdir: Path) -> tuple[ssl.SSLContext, Path]:
     return context, ca_path
 
 
-def _request(url: str, *, proxy: str | None = None, data: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def _request(
+    url: str,
+    *,
+    proxy: str | None = None,
+    data: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
     opener = urllib.request.build_opener(*handlers)
-    request = urllib.request.Request(url, data=data, headers=headers or {})
+    request = urllib.request.Request(url, data=data, headers=headers or {})  # noqa: S310
     try:
+        # Only http:// URLs the demo builds itself (loopback and the proxy).
         with opener.open(request, timeout=10) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
@@ -108,8 +114,10 @@ path = "{events}"
 flush_interval = 0.05
 """)
         if not as_json:
-            print(f"proxy config: {config}\nstarting the proxy on 127.0.0.1:{port} "
-                  f"(crew 'demo', restricted) ...")
+            print(
+                f"proxy config: {config}\nstarting the proxy on 127.0.0.1:{port} "
+                f"(crew 'demo', restricted) ..."
+            )
         process = subprocess.Popen(
             [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config)],
             stderr=subprocess.PIPE,
@@ -119,36 +127,57 @@ flush_interval = 0.05
             _wait(port, process)
             status, body = _request(
                 f"{gateway}/anthropic/v1/messages",
-                data=json.dumps({"model": "claude-demo", "max_tokens": 16,
-                                 "messages": [{"role": "user", "content": "hello"}]}).encode(),
+                data=json.dumps(
+                    {
+                        "model": "claude-demo",
+                        "max_tokens": 16,
+                        "messages": [{"role": "user", "content": "hello"}],
+                    }
+                ).encode(),
                 headers={"x-api-key": AGENT_KEY, "content-type": "application/json"},
             )
             seen = upstream.last()
             injected = seen.all("x-api-key") == [DEMO_KEY]
-            show("1. agent calls /anthropic/v1/messages with a dummy key",
-                 status == 200 and injected and AGENT_KEY not in json.dumps(seen.headers),
-                 {"status": status, "reply": body.get("content", [{}])[0].get("text"),
-                  "upstream_saw_appliance_key": injected,
-                  "upstream_saw_agent_key": AGENT_KEY in json.dumps(seen.headers)})
+            show(
+                "1. agent calls /anthropic/v1/messages with a dummy key",
+                status == 200 and injected and AGENT_KEY not in json.dumps(seen.headers),
+                {
+                    "status": status,
+                    "reply": body.get("content", [{}])[0].get("text"),
+                    "upstream_saw_appliance_key": injected,
+                    "upstream_saw_agent_key": AGENT_KEY in json.dumps(seen.headers),
+                },
+            )
 
             status, body = _request("http://exfil.example/", proxy=gateway)
-            show("2. agent asks for a host that is not allowlisted",
-                 status == 403 and body.get("rule") == "not_in_allowlist", body)
+            show(
+                "2. agent asks for a host that is not allowlisted",
+                status == 403 and body.get("rule") == "not_in_allowlist",
+                body,
+            )
 
             status, body = _request("http://internal.test/", proxy=gateway)
-            show("3a. allowlisted name resolving to a loopback address (SSRF)",
-                 status == 403 and str(body.get("rule", "")).startswith("ssrf_"), body)
+            show(
+                "3a. allowlisted name resolving to a loopback address (SSRF)",
+                status == 403 and str(body.get("rule", "")).startswith("ssrf_"),
+                body,
+            )
 
             status, body = _request("http://2130706433/", proxy=gateway)
-            show("3b. numeric shorthand for 127.0.0.1",
-                 status == 403 and body.get("rule") == "ip_shorthand", body)
+            show(
+                "3b. numeric shorthand for 127.0.0.1",
+                status == 403 and body.get("rule") == "ip_shorthand",
+                body,
+            )
 
             time.sleep(0.3)
             lines = [json.loads(line) for line in events.read_text().splitlines()]
             kinds = [line["event"] for line in lines]
-            show("4. decision events written", {"request_allowed", "credential_injected",
-                                                "request_denied"} <= set(kinds),
-                 kinds)
+            show(
+                "4. decision events written",
+                {"request_allowed", "credential_injected", "request_denied"} <= set(kinds),
+                kinds,
+            )
             leaked = DEMO_KEY in events.read_text()
             show("5. the event log holds no credential", not leaked, {"key_in_log": leaked})
         finally:

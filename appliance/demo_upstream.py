@@ -58,38 +58,81 @@ class FakeServer:
 
 
 SSE_EVENTS = [
-    ("message_start", {"type": "message_start", "message": {
-        "id": "msg_fake", "type": "message", "role": "assistant", "model": "claude-fake",
-        "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": 3, "output_tokens": 1}}}),
-    ("content_block_start", {"type": "content_block_start", "index": 0,
-                             "content_block": {"type": "text", "text": ""}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                             "delta": {"type": "text_delta", "text": "Hello from the "}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                             "delta": {"type": "text_delta", "text": "fake provider."}}),
+    (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_fake",
+                "type": "message",
+                "role": "assistant",
+                "model": "claude-fake",
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 3, "output_tokens": 1},
+            },
+        },
+    ),
+    (
+        "content_block_start",
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    ),
+    (
+        "content_block_delta",
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "text_delta", "text": "Hello from the "},
+        },
+    ),
+    (
+        "content_block_delta",
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "text_delta", "text": "fake provider."},
+        },
+    ),
     ("content_block_stop", {"type": "content_block_stop", "index": 0}),
-    ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn",
-                                                          "stop_sequence": None},
-                       "usage": {"output_tokens": 5}}),
+    (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+            "usage": {"output_tokens": 5},
+        },
+    ),
     ("message_stop", {"type": "message_stop"}),
 ]
 
 
 def anthropic_message(text: str = "Hello from the fake provider.") -> dict[str, Any]:
     return {
-        "id": "msg_fake", "type": "message", "role": "assistant", "model": "claude-fake",
-        "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
-        "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 5},
+        "id": "msg_fake",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-fake",
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 3, "output_tokens": 5},
     }
 
 
 def openai_completion() -> dict[str, Any]:
     return {
-        "id": "chatcmpl-fake", "object": "chat.completion", "created": 1700000000,
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": 1700000000,
         "model": "gpt-fake",
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": "Hello from fake OpenAI."}}],
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "Hello from fake OpenAI."},
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
     }
 
@@ -182,8 +225,20 @@ class _Handler(BaseHTTPRequestHandler):
         elif url.path.endswith("/chat/completions"):
             self._json(200, openai_completion())
         elif ":generateContent" in url.path:
-            self._json(200, {"candidates": [{"content": {"parts": [{"text": "Hello from "
-                              "fake Gemini."}], "role": "model"}, "finishReason": "STOP"}]})
+            self._json(
+                200,
+                {
+                    "candidates": [
+                        {
+                            "content": {
+                                "parts": [{"text": "Hello from fake Gemini."}],
+                                "role": "model",
+                            },
+                            "finishReason": "STOP",
+                        }
+                    ]
+                },
+            )
         else:
             self._json(200, {"path": self.path, "length": len(body)})
 
@@ -191,8 +246,9 @@ class _Handler(BaseHTTPRequestHandler):
     do_DELETE = do_GET
 
 
-def start_fake(host: str = "127.0.0.1", port: int = 0,
-               tls_context: ssl.SSLContext | None = None) -> FakeServer:
+def start_fake(
+    host: str = "127.0.0.1", port: int = 0, tls_context: ssl.SSLContext | None = None
+) -> FakeServer:
     handler = type("Handler", (_Handler,), {})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True

@@ -49,7 +49,9 @@ def run_supervised(config: ProxyConfig, workers: int) -> int:
 async def _supervise(
     config: ProxyConfig, processes: list[BaseProcess], channels: list[socket.socket]
 ) -> int:
-    clients = [ControlClient(trio.SocketStream(trio.socket.from_stdlib_socket(c))) for c in channels]
+    clients = [
+        ControlClient(trio.SocketStream(trio.socket.from_stdlib_socket(c))) for c in channels
+    ]
 
     async def broadcast(message: control.ControlMessage) -> control.ControlReply:
         replies: list[control.ControlReply] = []
@@ -72,8 +74,12 @@ async def _supervise(
             nonlocal exit_code
             await trio.to_thread.run_sync(process.join, abandon_on_cancel=True)
             if process.exitcode not in (0, -signal.SIGTERM, -signal.SIGINT):
-                print(f"proxy supervisor: worker {process.name} exited with {process.exitcode}; "
-                      "stopping all workers", file=sys.stderr, flush=True)
+                print(
+                    f"proxy supervisor: worker {process.name} exited with {process.exitcode}; "
+                    "stopping all workers",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 exit_code = 1
             nursery.cancel_scope.cancel()
 

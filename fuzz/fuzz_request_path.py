@@ -26,11 +26,11 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from proxycore.config import parse_config  # noqa: E402
-from proxycore.errors import PolicyDenied  # noqa: E402
-from proxycore.events import MemorySink  # noqa: E402
-from proxycore.fastio import PlainStream  # noqa: E402
-from proxycore.server import ClientConnection, ProxyRuntime  # noqa: E402
+from proxycore.config import parse_config
+from proxycore.errors import PolicyDenied
+from proxycore.events import MemorySink
+from proxycore.fastio import PlainStream
+from proxycore.server import ClientConnection, ProxyRuntime
 
 SECRET = "sk-ant-api03-FUZZ-SECRET-never-echo-0000000000"
 os.environ.setdefault("FUZZ_ANTHROPIC_KEY", SECRET)
@@ -48,7 +48,7 @@ _UPSTREAM_RESPONSES = [
 
 
 def _config_text(upstream_port: int) -> str:
-    return f"""
+    return """
 [[crew]]
 name = "fuzz"
 gateway = "127.0.0.1"
@@ -61,7 +61,7 @@ credential_env = "FUZZ_ANTHROPIC_KEY"
 
 [upstream]
 ssrf_allow = ["127.0.0.1/32"]
-resolve = {{ "upstream.fuzz" = "127.0.0.1" }}
+resolve = { "upstream.fuzz" = "127.0.0.1" }
 
 [limits]
 head_timeout = 0.5
@@ -173,7 +173,9 @@ def _check_responses(data: bytes) -> None:
         try:
             event = client.next_event()
         except h11.RemoteProtocolError as exc:
-            raise AssertionError(f"the proxy wrote a malformed response: {exc}: {data[:300]!r}")
+            raise AssertionError(
+                f"the proxy wrote a malformed response: {exc}: {data[:300]!r}"
+            ) from exc
         if event in (h11.NEED_DATA, h11.PAUSED) or isinstance(event, h11.ConnectionClosed):
             if event is h11.PAUSED and client.our_state is h11.DONE:
                 try:
@@ -186,7 +188,7 @@ def _check_responses(data: bytes) -> None:
             return
 
 
-def TestOneInput(data: bytes) -> None:  # noqa: N802 - atheris' name
+def TestOneInput(data: bytes) -> None:
     if len(data) < 2:
         return
     how, seed = data[0] % 3, data[1]

@@ -1,1 +1,4 @@
-"""The data plane: the sidecar proxy core (sans-IO protocol code plus one trio adapter per connection)."""
+"""The data plane: the sidecar proxy core.
+
+Sans-IO protocol modules plus one trio adapter per connection (see docs/architecture.md).
+"""

@@ -26,7 +26,7 @@ async def serve_control_stream(stream: trio.abc.Stream, handler: Handler) -> Non
     buffer = bytearray()
     async with stream:
         while True:
-            data = b""
+            data: bytes | bytearray = b""
             with trio.move_on_after(IDLE_SECONDS):
                 data = await stream.receive_some(65536)
             if not data:

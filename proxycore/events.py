@@ -153,13 +153,11 @@ class JsonLinesSink:
             self._wakeup.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        stream: IO[bytes]
-        if self._path == "-":
-            stream = sys.stderr.buffer
-        else:
-            # Unbuffered: each batch is one write(2) on an O_APPEND file, so batches from several
-            # worker processes never interleave inside a line.
-            stream = open(self._path, "ab", buffering=0)  # noqa: SIM115 - closed in finally
+        # Unbuffered: each batch is one write(2) on an O_APPEND file, so batches from several
+        # worker processes never interleave inside a line.
+        stream: IO[bytes] = (
+            sys.stderr.buffer if self._path == "-" else open(self._path, "ab", buffering=0)  # noqa: SIM115
+        )
         task_status.started()
         try:
             while True:

@@ -129,7 +129,7 @@ class TlsStream:
         return None  # TLS records need the SSL object: always go through receive()
 
     async def receive(self, max_bytes: int) -> bytes:
-        return await self.ssl_stream.receive_some(max_bytes)
+        return bytes(await self.ssl_stream.receive_some(max_bytes))
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self.ssl_stream.send_all(data)

@@ -235,6 +235,7 @@ class ClientConnection:
         # Enforced by the runtime's reaper (see `reap_expired`), not by moving a trio deadline.
         self.deadline = math.inf
         self.upstream: UpstreamConnection | None = None
+        self.raw_head = b""  # the bytes of the current request head, as the agent sent them
 
     async def _receive(self, stream: ByteStream, phase: Phase, deadline: float) -> bytes:
         """Receive for `phase`; the deadline is armed only if the kernel has nothing yet."""
@@ -260,6 +261,7 @@ class ClientConnection:
                 parsed = http1.parse_request_head(buffer, self.runtime.http_limits)
                 if parsed is not None:
                     head, consumed = parsed
+                    self.raw_head = bytes(buffer[:consumed])
                     del buffer[:consumed]
                     return head
             if buffer:
@@ -567,24 +569,16 @@ class ClientConnection:
         client_close = not head.keep_alive
         if head.body_kind is http1.BodyKind.LENGTH and head.content_length > limits.max_body_bytes:
             raise self._too_large()
-        headers = [
-            (name, value)
-            for name, value in http1.strip_hop_by_hop(head.headers)
-            if name not in _REQUEST_FRAMING
-        ]
-        injected = False
-        if provider is not None:
-            target, headers, injected = rewrite_for_provider(provider, target, headers)
         default_port = 443 if tls else 80
         authority = f"[{host}]" if ":" in host else host
         if port != default_port:
             authority = f"{authority}:{port}"
-        headers.insert(0, (b"host", authority.encode("ascii")))
 
         # Body: small or chunked bodies are read whole (chunked is re-framed with a length so the
         # upstream never sees the agent's framing); large ones stream on a fresh connection.
         body: bytes | None = None
         reader: http1.BodyReader | None = None
+        length: int | None = None
         if head.body_kind is not http1.BodyKind.NONE:
             if head.expect_continue:
                 await self.stream.send_all(CONTINUE)
@@ -592,13 +586,36 @@ class ClientConnection:
             if head.body_kind is http1.BodyKind.CHUNKED or head.content_length <= REPLAYABLE_BODY:
                 body = await self.read_body_whole(reader, limits.max_body_bytes)
                 reader = None
-                headers.append((b"content-length", b"%d" % len(body)))
+                length = len(body)
             else:
-                headers.append((b"content-length", b"%d" % head.content_length))
+                length = head.content_length
         elif head.method in _METHODS_WITH_BODY:
             body = b""
-            headers.append((b"content-length", b"0"))
-        request_head = http1.serialize_request_head(head.method, target, headers)
+            length = 0
+
+        injected = False
+        fields = None if provider is not None else http1.relay_fields(self.raw_head, _REQUEST_DROP)
+        if fields is not None:
+            # The fast path: the agent's field lines as they arrived, minus the dropped ones.
+            request_head = b"%s %s HTTP/1.1\r\nhost: %s%s%s\r\n\r\n" % (
+                head.method,
+                target,
+                authority.encode("ascii"),
+                fields,
+                b"" if length is None else b"\r\ncontent-length: %d" % length,
+            )
+        else:
+            headers = [
+                (name, value)
+                for name, value in http1.strip_hop_by_hop(head.headers)
+                if name not in _REQUEST_FRAMING
+            ]
+            if provider is not None:
+                target, headers, injected = rewrite_for_provider(provider, target, headers)
+            headers.insert(0, (b"host", authority.encode("ascii")))
+            if length is not None:
+                headers.append((b"content-length", b"%d" % length))
+            request_head = http1.serialize_request_head(head.method, target, headers)
 
         attempt = 0
         while True:
@@ -693,6 +710,7 @@ class ClientConnection:
                 parsed = http1.parse_response_head(buffer, http_limits, request_method=method)
                 if parsed is not None:
                     response, consumed = parsed
+                    upstream.raw_head = bytes(buffer[:consumed])
                     del buffer[:consumed]
                     if 100 <= response.status < 200:
                         if response.status == 101:
@@ -711,18 +729,29 @@ class ClientConnection:
     ) -> bool:
         reader = http1.BodyReader.for_response(response, self.runtime.http_limits)
         keep_client = head.keep_alive
-        headers = http1.strip_hop_by_hop(response.headers)
         kind = response.body_kind
         rechunk = kind is http1.BodyKind.CHUNKED or kind is http1.BodyKind.UNTIL_CLOSE
+        if rechunk and head.http_version != b"1.1":
+            rechunk = False
+            keep_client = False  # an HTTP/1.0 agent learns the end from the close
+        extra = []
         if rechunk:
-            if head.http_version == b"1.1":
-                headers.append((b"transfer-encoding", b"chunked"))
-            else:
-                rechunk = False
-                keep_client = False  # an HTTP/1.0 agent learns the end from the close
+            extra.append((b"transfer-encoding", b"chunked"))
         if not keep_client:
-            headers.append((b"connection", b"close"))
-        out = bytearray(http1.serialize_response_head(response.status, response.reason, headers))
+            extra.append((b"connection", b"close"))
+        fields = http1.relay_fields(upstream.raw_head, http1.RESPONSE_DROP)
+        if fields is not None:
+            out = bytearray(b"HTTP/1.1 %d %s" % (response.status, response.reason))
+            out += fields
+            for name, value in extra:
+                out += b"\r\n%s: %s" % (name, value)
+            out += b"\r\n\r\n"
+        else:
+            headers = http1.strip_hop_by_hop(response.headers)
+            headers.extend(extra)
+            out = bytearray(
+                http1.serialize_response_head(response.status, response.reason, headers)
+            )
         send_all = self.stream.send_all
         stream = upstream.stream
         buffer = upstream.buffer
@@ -854,6 +883,7 @@ class _UpstreamClosedEarly(Exception):
 
 
 _REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect"})
+_REQUEST_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING)
 _METHODS_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
 
 

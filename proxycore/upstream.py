@@ -38,6 +38,7 @@ class UpstreamConnection:
     address: str
     stream: ByteStream
     buffer: bytearray = field(default_factory=bytearray)
+    raw_head: bytes = b""  # the last response head, as received
     reused: bool = False
     idle_since: float = 0.0
 
@@ -100,7 +101,8 @@ class Dialer:
             verdict = self.guard.check(address)
             if not verdict.allowed:
                 raise PolicyDenied(
-                    f"{host} resolves to {address} ({verdict.reason}), which is not a public address",
+                    f"{host} resolves to {address} ({verdict.reason}), "
+                    "which is not a public address",
                     host=host,
                     rule=f"ssrf_{verdict.reason}",
                 )

@@ -193,15 +193,31 @@ flush_interval = 0.05
     return path, events, control
 
 
-def start_proxy(config_path: Path, *, host: str, port: int, events: Path,
-                control: Path | None = None, netns: str | None = None,
-                workers: int = 1) -> RunningProxy:
-    command = [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config_path),
-               "--workers", str(workers)]
+def start_proxy(
+    config_path: Path,
+    *,
+    host: str,
+    port: int,
+    events: Path,
+    control: Path | None = None,
+    netns: str | None = None,
+    workers: int = 1,
+) -> RunningProxy:
+    command = [
+        sys.executable,
+        "-m",
+        "appliance.cli",
+        "proxy",
+        "--config",
+        str(config_path),
+        "--workers",
+        str(workers),
+    ]
     if netns:
         command = ["ip", "netns", "exec", netns, *command]
-    process = subprocess.Popen(command, env=proxy_env(), stderr=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command, env=proxy_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL
+    )
     running = RunningProxy(port, host, config_path, events, process, control)
     try:
         if netns:
@@ -219,8 +235,12 @@ def _wait_netns_port(netns: str, host: str, port: int, process: subprocess.Popen
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError("proxy exited")
-        if subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", probe],
-                          capture_output=True).returncode == 0:
+        if (
+            subprocess.run(
+                ["ip", "netns", "exec", netns, sys.executable, "-c", probe], capture_output=True
+            ).returncode
+            == 0
+        ):
             return
         time.sleep(0.1)
     raise TimeoutError("proxy in netns did not open its port")
@@ -235,10 +255,20 @@ def make_proxy(tmp_path: Path, provider: FakeServer, ca_file: str):
         sub = tmp_path / f"p{len(started)}"
         sub.mkdir()
         config, events, control = write_proxy_config(
-            sub, port=port, provider_port=provider.port, ca_file=ca_file, **kwargs  # type: ignore[arg-type]
+            sub,
+            port=port,
+            provider_port=provider.port,
+            ca_file=ca_file,
+            **kwargs,  # type: ignore[arg-type]
         )
-        proxy = start_proxy(config, host=str(kwargs.get("gateway", "127.0.0.1")), port=port,
-                            events=events, control=control, workers=workers)
+        proxy = start_proxy(
+            config,
+            host=str(kwargs.get("gateway", "127.0.0.1")),
+            port=port,
+            events=events,
+            control=control,
+            workers=workers,
+        )
         if control is not None:
             wait_for_path(control)
         started.append(proxy)

@@ -9,9 +9,9 @@ import pytest
 
 from proxycore.config import parse_config
 from proxycore.errors import ConfigError
+from proxycore.events import MemorySink, PolicyWarning
 from proxycore.policy import NetworkMode
 from proxycore.server import ProxyRuntime
-from proxycore.events import MemorySink, PolicyWarning
 
 BASE = """
 [[crew]]
@@ -31,8 +31,10 @@ gateway = "127.0.0.1"
         ("[[crew]]\nname = 'a'\ngateway = 'nope'\n", "crew[0].gateway"),
         (BASE + "allow = ['ok.test', 'bad host']\n", "crew[0].allow[1]"),
         (BASE + "[[crew]]\nname = 'a'\ngateway = '127.0.0.2'\n", "crew[1].name"),
-        ("[providers.anthropic]\nbase_url = 'http://api.anthropic.com'\n",
-         "providers.anthropic.base_url"),
+        (
+            "[providers.anthropic]\nbase_url = 'http://api.anthropic.com'\n",
+            "providers.anthropic.base_url",
+        ),
         ("[providers.openai]\nkey = 'sk-x'\n", "$.providers.openai"),
         ("[upstream]\nssrf_allow = ['0.0.0.0/0']\n", "upstream.ssrf_allow"),
         ("[upstream]\nssrf_allow = ['not-a-cidr']\n", "upstream.ssrf_allow"),
@@ -72,8 +74,8 @@ def test_credential_never_in_error_or_repr(tmp_path, monkeypatch) -> None:
     assert secret not in str(caught.value)
     monkeypatch.setenv("GOOD_KEY", secret)
     runtime = ProxyRuntime(
-        parse_config(BASE + "[providers.anthropic]\ncredential_env = 'GOOD_KEY'\n"),
-        MemorySink())
+        parse_config(BASE + "[providers.anthropic]\ncredential_env = 'GOOD_KEY'\n"), MemorySink()
+    )
     route = runtime.routes_by_host["api.anthropic.com"]
     assert secret not in repr(route) and secret not in str(route.credential)
 
@@ -81,11 +83,25 @@ def test_credential_never_in_error_or_repr(tmp_path, monkeypatch) -> None:
 def test_cli_reports_config_error_with_exit_code_2(tmp_path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[listen]\nprot = 1\n")
-    result = subprocess.run([sys.executable, "-m", "appliance.cli", "proxy", "--config",
-                             str(path)], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2
     assert "prot" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "appliance.cli", "proxy", "--config",
-                             str(tmp_path / "missing.toml")], capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "proxy",
+            "--config",
+            str(tmp_path / "missing.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2 and "cannot read config" in result.stderr

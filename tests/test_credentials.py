@@ -30,8 +30,11 @@ def rewrite(provider: Provider, key: str | None, target: bytes = b"/v1/x"):
 def test_anthropic_api_key() -> None:
     target, headers, injected = rewrite(Provider.ANTHROPIC, "sk-ant-api03-k")
     assert injected and target == b"/v1/x"
-    assert headers == [(b"content-type", b"application/json"), (b"x-api-key", b"sk-ant-api03-k"),
-                       (b"anthropic-version", b"2023-06-01")]
+    assert headers == [
+        (b"content-type", b"application/json"),
+        (b"x-api-key", b"sk-ant-api03-k"),
+        (b"anthropic-version", b"2023-06-01"),
+    ]
 
 
 def test_anthropic_oauth_token_is_a_bearer() -> None:
@@ -46,8 +49,9 @@ def test_openai_bearer() -> None:
     assert all(v != b"agent" and b"agent" not in v for _, v in headers)
 
 
-@pytest.mark.parametrize("query", [b"key=agent", b"k%65y=agent", b"KEY=x&key=agent&key=again",
-                                   b"alt=json&key=agent"])
+@pytest.mark.parametrize(
+    "query", [b"key=agent", b"k%65y=agent", b"KEY=x&key=agent&key=again", b"alt=json&key=agent"]
+)
 def test_google_key_replaces_every_agent_key(query: bytes) -> None:
     target, headers, injected = rewrite(Provider.GOOGLE, "AIzaSyK", b"/v1/m:gen?" + query)
     params = target.split(b"?", 1)[1].split(b"&")
@@ -57,7 +61,7 @@ def test_google_key_replaces_every_agent_key(query: bytes) -> None:
 
 
 def test_no_credential_still_strips_agent_credentials() -> None:
-    target, headers, injected = rewrite(Provider.OPENAI, None)
+    _, headers, injected = rewrite(Provider.OPENAI, None)
     assert not injected
     assert headers == [(b"content-type", b"application/json")]
 

@@ -19,15 +19,25 @@ async def test_batches_are_written_and_read_back(tmp_path) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(sink.run)
         for i in range(25):
-            sink.emit(RequestAllowed(crew="c", mode="free", route="forward", method="GET",
-                                     host=f"h{i}.test", port=80, address="192.0.2.1",
-                                     rule="policy"))
+            sink.emit(
+                RequestAllowed(
+                    crew="c",
+                    mode="free",
+                    route="forward",
+                    method="GET",
+                    host=f"h{i}.test",
+                    port=80,
+                    address="192.0.2.1",
+                    rule="policy",
+                )
+            )
         sink.emit(CredentialInjected(crew="c", provider="anthropic", host="api.anthropic.com"))
         await trio.sleep(0.2)
         nursery.cancel_scope.cancel()
     events = decode_events(path.read_bytes())
-    assert [e.host for e in events if isinstance(e, RequestAllowed)] == [f"h{i}.test"
-                                                                          for i in range(25)]
+    assert [e.host for e in events if isinstance(e, RequestAllowed)] == [
+        f"h{i}.test" for i in range(25)
+    ]
     assert isinstance(events[-1], CredentialInjected)
 
 

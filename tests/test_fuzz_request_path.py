@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
 
-import fuzz_request_path as harness  # noqa: E402
+import fuzz_request_path as harness
 
 
 @pytest.mark.parametrize("seed", harness.SEEDS, ids=range(len(harness.SEEDS)))

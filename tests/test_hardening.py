@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.conftest import RunningProxy
 from appliance.demo_upstream import FakeServer
+from tests.conftest import RunningProxy
 
 
 def exchange(proxy: RunningProxy, data: bytes, *, timeout: float = 10) -> bytes:
@@ -30,8 +30,12 @@ def status_of(response: bytes) -> int:
 
 
 def forward(plain_port: int, extra_headers: bytes, body: bytes = b"") -> bytes:
-    return (b"POST http://plain.test:%d/x HTTP/1.1\r\nHost: plain.test\r\n" % plain_port
-            + extra_headers + b"\r\n" + body)
+    return (
+        b"POST http://plain.test:%d/x HTTP/1.1\r\nHost: plain.test\r\n" % plain_port
+        + extra_headers
+        + b"\r\n"
+        + body
+    )
 
 
 SMUGGLING = [
@@ -42,8 +46,12 @@ SMUGGLING = [
     ("te_and_cl", b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n", b"0\r\n\r\n", 400),
     ("te_not_chunked", b"Transfer-Encoding: gzip, chunked\r\n", b"0\r\n\r\n", None),
     ("te_xchunked", b"Transfer-Encoding: xchunked\r\n", b"0\r\n\r\n", None),
-    ("te_twice", b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n", b"0\r\n\r\n",
-     400),
+    (
+        "te_twice",
+        b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+        b"0\r\n\r\n",
+        400,
+    ),
     ("obs_fold", b"X-A: a\r\n b\r\n", b"", 400),
     ("space_before_colon", b"Content-Length : 5\r\n", b"hello", 400),
     ("chunk_extension", b"Transfer-Encoding: chunked\r\n", b"5;x=y\r\nhello\r\n0\r\n\r\n", 400),
@@ -52,15 +60,22 @@ SMUGGLING = [
 ]
 
 
-@pytest.mark.parametrize(("name", "headers", "body", "expected"), SMUGGLING,
-                         ids=[s[0] for s in SMUGGLING])
-def test_smuggling_framings_refused_and_closed(proxy: RunningProxy, plain_host: FakeServer,
-                                               name: str, headers: bytes, body: bytes,
-                                               expected: int | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "headers", "body", "expected"), SMUGGLING, ids=[s[0] for s in SMUGGLING]
+)
+def test_smuggling_framings_refused_and_closed(
+    proxy: RunningProxy,
+    plain_host: FakeServer,
+    name: str,
+    headers: bytes,
+    body: bytes,
+    expected: int | None,
+) -> None:
     plain_host.clear()
     # A second, valid request follows: it must never be read (the connection is closed).
     follow = b"GET http://plain.test:%d/smuggled HTTP/1.1\r\nHost: plain.test\r\n\r\n" % (
-        plain_host.port)
+        plain_host.port
+    )
     response = exchange(proxy, forward(plain_host.port, headers, body) + follow)
     status = status_of(response)
     if expected is None:
@@ -74,8 +89,9 @@ def test_smuggling_framings_refused_and_closed(proxy: RunningProxy, plain_host: 
 
 
 def test_bare_lf_refused(proxy: RunningProxy, plain_host: FakeServer) -> None:
-    response = exchange(proxy, b"GET http://plain.test:%d/ HTTP/1.1\nHost: plain.test\n\n"
-                        % plain_host.port)
+    response = exchange(
+        proxy, b"GET http://plain.test:%d/ HTTP/1.1\nHost: plain.test\n\n" % plain_host.port
+    )
     assert status_of(response) == 400
 
 
@@ -86,23 +102,25 @@ def test_request_line_too_long(proxy: RunningProxy) -> None:
 
 def test_too_many_headers(proxy: RunningProxy) -> None:
     headers = b"".join(b"X-H%d: v\r\n" % i for i in range(150))
-    response = exchange(proxy, b"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n"
-                        + headers + b"\r\n")
+    response = exchange(
+        proxy, b"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n" + headers + b"\r\n"
+    )
     assert status_of(response) == 431
 
 
 def test_head_too_large(proxy: RunningProxy) -> None:
     headers = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(40))
-    response = exchange(proxy, b"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n"
-                        + headers + b"\r\n")
+    response = exchange(
+        proxy, b"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n" + headers + b"\r\n"
+    )
     assert status_of(response) == 431
 
 
-def test_body_over_cap_gets_413_before_upload(proxy: RunningProxy,
-                                              plain_host: FakeServer) -> None:
+def test_body_over_cap_gets_413_before_upload(proxy: RunningProxy, plain_host: FakeServer) -> None:
     plain_host.clear()
-    response = exchange(proxy, forward(plain_host.port, b"Content-Length: %d\r\n"
-                                       % (10 * 1024 * 1024 + 1)))
+    response = exchange(
+        proxy, forward(plain_host.port, b"Content-Length: %d\r\n" % (10 * 1024 * 1024 + 1))
+    )
     assert status_of(response) == 413
     assert not plain_host.received
 
@@ -114,12 +132,15 @@ def test_chunked_body_over_cap_gets_413(proxy: RunningProxy, plain_host: FakeSer
     assert status_of(response) == 413
 
 
-def test_chunked_request_is_reframed_with_length(proxy: RunningProxy,
-                                                 plain_host: FakeServer) -> None:
+def test_chunked_request_is_reframed_with_length(
+    proxy: RunningProxy, plain_host: FakeServer
+) -> None:
     plain_host.clear()
     body = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
-    response = exchange(proxy, forward(plain_host.port, b"Transfer-Encoding: chunked\r\n"
-                                       b"Connection: close\r\n", body))
+    response = exchange(
+        proxy,
+        forward(plain_host.port, b"Transfer-Encoding: chunked\r\nConnection: close\r\n", body),
+    )
     assert status_of(response) == 200
     seen = plain_host.last()
     assert seen.body == b"hello world"
@@ -129,11 +150,15 @@ def test_chunked_request_is_reframed_with_length(proxy: RunningProxy,
 
 def test_hop_by_hop_headers_stripped(proxy: RunningProxy, plain_host: FakeServer) -> None:
     plain_host.clear()
-    response = exchange(proxy, forward(
-        plain_host.port,
-        b"Connection: close, X-Secret-Hop\r\nX-Secret-Hop: 1\r\nKeep-Alive: 5\r\n"
-        b"Proxy-Authorization: Basic c2VjcmV0\r\nTE: trailers\r\nUpgrade: h2c\r\n"
-        b"X-Kept: yes\r\nContent-Length: 0\r\n"))
+    response = exchange(
+        proxy,
+        forward(
+            plain_host.port,
+            b"Connection: close, X-Secret-Hop\r\nX-Secret-Hop: 1\r\nKeep-Alive: 5\r\n"
+            b"Proxy-Authorization: Basic c2VjcmV0\r\nTE: trailers\r\nUpgrade: h2c\r\n"
+            b"X-Kept: yes\r\nContent-Length: 0\r\n",
+        ),
+    )
     assert status_of(response) == 200
     seen = plain_host.last()
     for name in ("x-secret-hop", "keep-alive", "proxy-authorization", "te", "upgrade"):

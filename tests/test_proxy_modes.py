@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from appliance.demo_upstream import FakeServer
 from proxycore.events import (
     CredentialInjected,
     RequestAllowed,
@@ -18,27 +19,31 @@ from proxycore.events import (
     TunnelOpened,
 )
 from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, RunningProxy
-from appliance.demo_upstream import FakeServer
 
 
 def curl(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["curl", "-sS", "--noproxy", "", "--max-time", str(timeout), *args],
-        capture_output=True, text=True, timeout=timeout + 5,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 5,
     )
 
 
 # -- reverse proxy -------------------------------------------------------------------------------
 
 
-def test_anthropic_sdk_through_reverse_route_gets_real_key(proxy: RunningProxy,
-                                                          provider: FakeServer) -> None:
+def test_anthropic_sdk_through_reverse_route_gets_real_key(
+    proxy: RunningProxy, provider: FakeServer
+) -> None:
     import anthropic
 
-    client = anthropic.Anthropic(api_key=AGENT_DUMMY_KEY, base_url=f"{proxy.url}/anthropic",
-                                 max_retries=0)
-    message = client.messages.create(model="claude-fake", max_tokens=16,
-                                     messages=[{"role": "user", "content": "hi"}])
+    client = anthropic.Anthropic(
+        api_key=AGENT_DUMMY_KEY, base_url=f"{proxy.url}/anthropic", max_retries=0
+    )
+    message = client.messages.create(
+        model="claude-fake", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
+    )
     assert message.content[0].text == "Hello from the fake provider."
     seen = provider.last()
     assert seen.path == "/v1/messages"
@@ -54,10 +59,12 @@ def test_anthropic_sdk_through_reverse_route_gets_real_key(proxy: RunningProxy,
 def test_anthropic_sdk_streaming(proxy: RunningProxy, provider: FakeServer) -> None:
     import anthropic
 
-    client = anthropic.Anthropic(api_key=AGENT_DUMMY_KEY, base_url=f"{proxy.url}/anthropic",
-                                 max_retries=0)
-    with client.messages.stream(model="claude-fake", max_tokens=16,
-                                messages=[{"role": "user", "content": "hi"}]) as stream:
+    client = anthropic.Anthropic(
+        api_key=AGENT_DUMMY_KEY, base_url=f"{proxy.url}/anthropic", max_retries=0
+    )
+    with client.messages.stream(
+        model="claude-fake", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
         text = "".join(stream.text_stream)
     assert text == "Hello from the fake provider."
     assert provider.last().all("x-api-key") == [REAL_KEYS["anthropic"]]
@@ -66,10 +73,10 @@ def test_anthropic_sdk_streaming(proxy: RunningProxy, provider: FakeServer) -> N
 def test_openai_sdk_through_reverse_route(proxy: RunningProxy, provider: FakeServer) -> None:
     import openai
 
-    client = openai.OpenAI(api_key=AGENT_DUMMY_KEY, base_url=f"{proxy.url}/openai",
-                           max_retries=0)
+    client = openai.OpenAI(api_key=AGENT_DUMMY_KEY, base_url=f"{proxy.url}/openai", max_retries=0)
     completion = client.chat.completions.create(
-        model="gpt-fake", messages=[{"role": "user", "content": "hi"}])
+        model="gpt-fake", messages=[{"role": "user", "content": "hi"}]
+    )
     assert completion.choices[0].message.content == "Hello from fake OpenAI."
     seen = provider.last()
     # The base URL's path (/v1) is the prefix of the route.
@@ -78,27 +85,46 @@ def test_openai_sdk_through_reverse_route(proxy: RunningProxy, provider: FakeSer
     assert AGENT_DUMMY_KEY not in json.dumps(seen.headers)
 
 
-def test_google_key_goes_in_query_and_agent_key_is_dropped(proxy: RunningProxy,
-                                                          provider: FakeServer) -> None:
-    result = curl("-X", "POST", "-H", "content-type: application/json",
-                  "-H", f"x-goog-api-key: {AGENT_DUMMY_KEY}", "-d", "{}",
-                  f"{proxy.url}/google/v1beta/models/gemini-fake:generateContent"
-                  f"?key={AGENT_DUMMY_KEY}&alt=json")
+def test_google_key_goes_in_query_and_agent_key_is_dropped(
+    proxy: RunningProxy, provider: FakeServer
+) -> None:
+    result = curl(
+        "-X",
+        "POST",
+        "-H",
+        "content-type: application/json",
+        "-H",
+        f"x-goog-api-key: {AGENT_DUMMY_KEY}",
+        "-d",
+        "{}",
+        f"{proxy.url}/google/v1beta/models/gemini-fake:generateContent"
+        f"?key={AGENT_DUMMY_KEY}&alt=json",
+    )
     assert result.returncode == 0, result.stderr
     assert "fake Gemini" in result.stdout
     seen = provider.last()
-    assert seen.path == (f"/v1beta/models/gemini-fake:generateContent?alt=json&key="
-                         f"{REAL_KEYS['google']}")
+    assert seen.path == (
+        f"/v1beta/models/gemini-fake:generateContent?alt=json&key={REAL_KEYS['google']}"
+    )
     assert AGENT_DUMMY_KEY not in seen.path + json.dumps(seen.headers)
 
 
-def test_every_agent_credential_header_is_removed(proxy: RunningProxy,
-                                                  provider: FakeServer) -> None:
-    result = curl("-H", f"authorization: Bearer {AGENT_DUMMY_KEY}",
-                  "-H", f"x-api-key: {AGENT_DUMMY_KEY}", "-H", f"api-key: {AGENT_DUMMY_KEY}",
-                  "-H", f"proxy-authorization: Basic {AGENT_DUMMY_KEY}",
-                  "-H", f"cookie: session={AGENT_DUMMY_KEY}",
-                  f"{proxy.url}/anthropic/v1/models")
+def test_every_agent_credential_header_is_removed(
+    proxy: RunningProxy, provider: FakeServer
+) -> None:
+    result = curl(
+        "-H",
+        f"authorization: Bearer {AGENT_DUMMY_KEY}",
+        "-H",
+        f"x-api-key: {AGENT_DUMMY_KEY}",
+        "-H",
+        f"api-key: {AGENT_DUMMY_KEY}",
+        "-H",
+        f"proxy-authorization: Basic {AGENT_DUMMY_KEY}",
+        "-H",
+        f"cookie: session={AGENT_DUMMY_KEY}",
+        f"{proxy.url}/anthropic/v1/models",
+    )
     assert result.returncode == 0, result.stderr
     seen = provider.last()
     assert AGENT_DUMMY_KEY not in json.dumps(seen.headers)
@@ -110,8 +136,10 @@ def test_sse_is_relayed_as_it_arrives(proxy: RunningProxy) -> None:
     # The fake sends 5 events 0.3 s apart; a buffering proxy would deliver them all at the end.
     arrivals: list[float] = []
     start = time.monotonic()
-    with httpx.Client(proxy=proxy.url, timeout=20) as client, \
-            client.stream("GET", "http://plain.test:%d/sse?n=5&delay=0.3" % _plain_port()) as r:
+    with (
+        httpx.Client(proxy=proxy.url, timeout=20) as client,
+        client.stream("GET", f"http://plain.test:{_plain_port()}/sse?n=5&delay=0.3") as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data:"):
@@ -136,8 +164,9 @@ def _plain_port() -> int:
 # -- forward proxy -------------------------------------------------------------------------------
 
 
-def test_forward_proxy_keep_alive_and_upstream_reuse(proxy: RunningProxy,
-                                                     plain_host: FakeServer) -> None:
+def test_forward_proxy_keep_alive_and_upstream_reuse(
+    proxy: RunningProxy, plain_host: FakeServer
+) -> None:
     url = f"http://plain.test:{plain_host.port}/echo"
     connections_before = plain_host.connections
     with httpx.Client(proxy=proxy.url, timeout=10) as client:
@@ -156,9 +185,15 @@ def test_forward_proxy_keep_alive_and_upstream_reuse(proxy: RunningProxy,
 
 
 def test_forward_to_provider_host_is_upgraded_to_tls_and_injected(
-        proxy: RunningProxy, provider: FakeServer) -> None:
-    result = curl("-x", proxy.url, "-H", f"x-api-key: {AGENT_DUMMY_KEY}",
-                  "http://api.anthropic.test/v1/models")
+    proxy: RunningProxy, provider: FakeServer
+) -> None:
+    result = curl(
+        "-x",
+        proxy.url,
+        "-H",
+        f"x-api-key: {AGENT_DUMMY_KEY}",
+        "http://api.anthropic.test/v1/models",
+    )
     assert result.returncode == 0, result.stderr
     seen = provider.last()
     assert seen.all("x-api-key") == [REAL_KEYS["anthropic"]]
@@ -171,8 +206,11 @@ def test_forward_denied_host_gets_readable_refusal(proxy: RunningProxy) -> None:
     assert status == "403"
     refusal = json.loads(body)
     assert refusal == {
-        "error": "egress_denied", "host": "other.test", "rule": "not_in_allowlist",
-        "mode": "restricted", "crew": "test",
+        "error": "egress_denied",
+        "host": "other.test",
+        "rule": "not_in_allowlist",
+        "mode": "restricted",
+        "crew": "test",
         "message": "other.test is not on the allowlist of crew test",
     }
     denied = [e for e in proxy.events() if isinstance(e, RequestDenied)]
@@ -180,7 +218,8 @@ def test_forward_denied_host_gets_readable_refusal(proxy: RunningProxy) -> None:
 
 
 def test_redirect_to_other_host_never_carries_the_credential(
-        make_proxy, provider: FakeServer, plain_host: FakeServer) -> None:
+    make_proxy, provider: FakeServer, plain_host: FakeServer
+) -> None:
     proxy = make_proxy(mode="free")
     target = f"http://other.test:{plain_host.port}/landing"
     plain_host.clear()
@@ -200,13 +239,22 @@ def test_redirect_to_other_host_never_carries_the_credential(
 # -- CONNECT -------------------------------------------------------------------------------------
 
 
-def test_connect_tunnel_to_provider_is_opaque(proxy: RunningProxy, provider: FakeServer,
-                                              ca_file: str) -> None:
+def test_connect_tunnel_to_provider_is_opaque(
+    proxy: RunningProxy, provider: FakeServer, ca_file: str
+) -> None:
     # curl speaks TLS through the tunnel itself; the proxy must not inject anything.
-    result = curl("-p", "-x", proxy.url, "--cacert", ca_file,
-                  "--resolve", f"api.anthropic.test:{provider.port}:127.0.0.1",
-                  "-H", f"x-api-key: {AGENT_DUMMY_KEY}",
-                  f"https://api.anthropic.test:{provider.port}/v1/models")
+    result = curl(
+        "-p",
+        "-x",
+        proxy.url,
+        "--cacert",
+        ca_file,
+        "--resolve",
+        f"api.anthropic.test:{provider.port}:127.0.0.1",
+        "-H",
+        f"x-api-key: {AGENT_DUMMY_KEY}",
+        f"https://api.anthropic.test:{provider.port}/v1/models",
+    )
     assert result.returncode == 0, result.stderr
     assert provider.last().all("x-api-key") == [AGENT_DUMMY_KEY]
     events = proxy.events()
@@ -243,8 +291,9 @@ def test_connect_half_close_and_byte_counts(make_proxy, tmp_path) -> None:
     thread.start()
     proxy = make_proxy(allow=["plain.test"])
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-        sock.sendall(b"CONNECT plain.test:%d HTTP/1.1\r\nHost: plain.test\r\n\r\n" % port
-                     + b"x" * 1000)
+        sock.sendall(
+            b"CONNECT plain.test:%d HTTP/1.1\r\nHost: plain.test\r\n\r\n" % port + b"x" * 1000
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             head += sock.recv(1)
@@ -279,15 +328,39 @@ def test_allowlist_entry_added_at_run_time(proxy: RunningProxy, plain_host: Fake
     with httpx.Client(proxy=proxy.url, timeout=10) as client:
         assert client.get(url).status_code == 403
         result = subprocess.run(
-            ["python", "-m", "appliance.cli", "--json", "proxy-allow", "--socket",
-             str(proxy.control_socket), "test", "other.test"],
-            capture_output=True, text=True, timeout=20)
+            [
+                "python",
+                "-m",
+                "appliance.cli",
+                "--json",
+                "proxy-allow",
+                "--socket",
+                str(proxy.control_socket),
+                "test",
+                "other.test",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["changed"] is True
         assert client.get(url).status_code == 200
-    bad = subprocess.run(["python", "-m", "appliance.cli", "proxy-allow", "--socket",
-                          str(proxy.control_socket), "nosuchcrew", "x.test"],
-                         capture_output=True, text=True, timeout=20)
+    bad = subprocess.run(
+        [
+            "python",
+            "-m",
+            "appliance.cli",
+            "proxy-allow",
+            "--socket",
+            str(proxy.control_socket),
+            "nosuchcrew",
+            "x.test",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert bad.returncode == 1 and "unknown crew 'nosuchcrew'" in bad.stderr
 
 
@@ -298,14 +371,27 @@ def test_mode_none_refuses_every_route(make_proxy) -> None:
     assert response.json()["rule"] == "mode_none"
 
 
-def test_workers_share_the_port_and_the_run_time_allowlist(make_proxy,
-                                                          plain_host: FakeServer) -> None:
+def test_workers_share_the_port_and_the_run_time_allowlist(
+    make_proxy, plain_host: FakeServer
+) -> None:
     proxy = make_proxy(workers=2, with_control=True)
     url = f"http://other.test:{plain_host.port}/x"
     allow = subprocess.run(
-        ["python", "-m", "appliance.cli", "--json", "proxy-allow", "--socket",
-         str(proxy.control_socket), "test", "other.test"],
-        capture_output=True, text=True, timeout=20)
+        [
+            "python",
+            "-m",
+            "appliance.cli",
+            "--json",
+            "proxy-allow",
+            "--socket",
+            str(proxy.control_socket),
+            "test",
+            "other.test",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert allow.returncode == 0, allow.stderr
     # New connections are spread over both workers by the kernel; every one must see the entry.
     statuses = []
@@ -337,12 +423,15 @@ BYPASSES = [
 
 
 @pytest.mark.parametrize("host", BYPASSES)
-def test_allowlist_bypass_attempts_are_refused(proxy: RunningProxy, plain_host: FakeServer,
-                                               host: str) -> None:
+def test_allowlist_bypass_attempts_are_refused(
+    proxy: RunningProxy, plain_host: FakeServer, host: str
+) -> None:
     plain_host.clear()
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
-        sock.sendall(b"GET http://%s/ HTTP/1.1\r\nHost: plain.test\r\nConnection: close\r\n\r\n"
-                     % host.encode())
+        sock.sendall(
+            b"GET http://%s/ HTTP/1.1\r\nHost: plain.test\r\nConnection: close\r\n\r\n"
+            % host.encode()
+        )
         data = _read_all(sock)
     assert data.startswith(b"HTTP/1.1 403 "), data[:200]
     body = json.loads(data.split(b"\r\n\r\n", 1)[1])
@@ -391,13 +480,15 @@ def test_provider_with_untrusted_certificate_gets_no_key(make_proxy, tmp_path) -
         proxy = make_proxy(extra="")
         text = proxy.config_path.read_text().replace(
             f"https://api.anthropic.test:{_provider_port(proxy)}",
-            f"https://api.anthropic.test:{rogue.port}")
+            f"https://api.anthropic.test:{rogue.port}",
+        )
         proxy.stop()
         proxy.config_path.write_text(text)
         from tests.conftest import start_proxy
 
-        proxy2 = start_proxy(proxy.config_path, host="127.0.0.1", port=proxy.port,
-                             events=proxy.events_path)
+        proxy2 = start_proxy(
+            proxy.config_path, host="127.0.0.1", port=proxy.port, events=proxy.events_path
+        )
         try:
             response = httpx.post(f"{proxy2.url}/anthropic/v1/messages", json={}, timeout=10)
         finally:

@@ -26,6 +26,11 @@ NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"
 )
 
+RESOLVE = (
+    '"internal.test" = "10.0.0.1", "meta.test" = "169.254.169.254", '
+    '"loop.test" = "127.0.0.1", "v6loop.test" = "::1"'
+)
+
 CANARY = r"""
 import socket, sys, threading, time
 path = sys.argv[1]
@@ -51,8 +56,9 @@ def netns():
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        routes = subprocess.run(["ip", "-n", name, "route", "show"], capture_output=True,
-                                text=True, check=True).stdout
+        routes = subprocess.run(
+            ["ip", "-n", name, "route", "show"], capture_output=True, text=True, check=True
+        ).stdout
         assert "default" not in routes  # the namespace cannot reach anything but itself
         yield name
     finally:
@@ -62,8 +68,10 @@ def netns():
 @NEEDS_ROOT
 def test_ssrf_table_refused_with_no_connection(netns: str, tmp_path: Path) -> None:
     canary_log = tmp_path / "canary.log"
-    canary = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", CANARY,
-                               str(canary_log)], stdout=subprocess.PIPE)
+    canary = subprocess.Popen(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", CANARY, str(canary_log)],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert canary.stdout is not None and canary.stdout.readline().strip() == b"ready"
         port = free_port()
@@ -79,7 +87,7 @@ name = "ssrf"
 gateway = "127.0.0.1"
 mode = "free"
 [upstream]
-resolve = {{ "internal.test" = "10.0.0.1", "meta.test" = "169.254.169.254", "loop.test" = "127.0.0.1", "v6loop.test" = "::1" }}
+resolve = {{ {RESOLVE} }}
 [events]
 path = "{events}"
 flush_interval = 0.05
@@ -103,25 +111,47 @@ flush_interval = 0.05
             }
             for url, rule in cases.items():
                 # Raw request lines: curl would rewrite 0x7f.1 to 127.0.0.1 before sending.
-                response = _raw_in_netns(netns, port, b"GET %s HTTP/1.1\r\nHost: x\r\n"
-                                         b"Connection: close\r\n\r\n" % url.encode())
+                response = _raw_in_netns(
+                    netns,
+                    port,
+                    b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % url.encode(),
+                )
                 assert response.startswith("HTTP/1.1 403"), (url, response)
                 body = json.loads(response.split("\r\n\r\n", 1)[1])
                 assert body["rule"] == rule, (url, body)
             # And one real client, end to end.
             result = subprocess.run(
-                ["ip", "netns", "exec", netns, "curl", "-sS", "-g", "--max-time", "10",
-                 "-x", f"http://127.0.0.1:{port}", "-w", "\n%{http_code}",
-                 "http://169.254.169.254/latest/meta-data/"],
-                capture_output=True, text=True, timeout=20)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    netns,
+                    "curl",
+                    "-sS",
+                    "-g",
+                    "--max-time",
+                    "10",
+                    "-x",
+                    f"http://127.0.0.1:{port}",
+                    "-w",
+                    "\n%{http_code}",
+                    "http://169.254.169.254/latest/meta-data/",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             body, status = result.stdout.rsplit("\n", 1)
             assert status == "403" and json.loads(body)["rule"] == "ssrf_metadata"
             # CONNECT gets the same guard.
-            for target, rule in [("10.0.0.1:443", "ssrf_private"),
-                                 ("127.0.0.1:80", "ssrf_loopback"),
-                                 ("[::1]:80", "ssrf_loopback")]:
-                response = _raw_in_netns(netns, port, b"CONNECT %s HTTP/1.1\r\nHost: x\r\n\r\n"
-                                         % target.encode())
+            for target, rule in [
+                ("10.0.0.1:443", "ssrf_private"),
+                ("127.0.0.1:80", "ssrf_loopback"),
+                ("[::1]:80", "ssrf_loopback"),
+            ]:
+                response = _raw_in_netns(
+                    netns, port, b"CONNECT %s HTTP/1.1\r\nHost: x\r\n\r\n" % target.encode()
+                )
                 assert response.startswith("HTTP/1.1 403"), (target, response)
                 assert f'"rule":"{rule}"' in response, (target, response)
         finally:
@@ -143,7 +173,10 @@ def _raw_in_netns(netns: str, port: int, request: bytes) -> str:
         "    data += chunk\n"
         "sys.stdout.write(data.decode())\n"
     )
-    result = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", script],
-                            capture_output=True, timeout=30)
+    result = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", script],
+        capture_output=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.decode()

@@ -1,0 +1,89 @@
+"""The relay fast path (`relay_fields`) must forward exactly what the general path would."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxycore import http1
+
+NAMES = [
+    b"Host",
+    b"Connection",
+    b"connection",
+    b"Keep-Alive",
+    b"TE",
+    b"Te",
+    b"Trailer",
+    b"Trailers",
+    b"Transfer-Encoding",
+    b"Upgrade",
+    b"Proxy-Authorization",
+    b"Proxy-Connection",
+    b"Proxy-Authenticate",
+    b"X-Te",
+    b"Content-Type",
+    b"X-A",
+    b"Server",
+    b"Accept",
+    b"x-upgrade",
+    b"Tee",
+]
+CONNECTION_VALUES = [
+    b"keep-alive",
+    b"close",
+    b"Keep-Alive, Upgrade",
+    b"x-a",
+    b"close, X-A",
+    b"te",
+    b"",
+    b"content-length",
+]
+
+
+@st.composite
+def response_heads(draw):
+    fields = draw(
+        st.lists(
+            st.tuples(st.sampled_from(NAMES), st.sampled_from([b"v", b"1", b"a b", b"keep-alive"])),
+            max_size=8,
+        )
+    )
+    fields = [
+        (n, draw(st.sampled_from(CONNECTION_VALUES)) if n.lower() == b"connection" else v)
+        for n, v in fields
+    ]
+    fields = [(n, v) for n, v in fields if n.lower() != b"transfer-encoding"]
+    lines = b"".join(b"%s: %s\r\n" % (n, v) for n, v in fields)
+    return b"HTTP/1.1 200 OK\r\n" + lines + b"Content-Length: 0\r\n\r\n"
+
+
+@settings(max_examples=400, deadline=None)
+@given(response_heads())
+def test_fast_path_equals_general_path(raw: bytes) -> None:
+    parsed = http1.parse_response_head(raw, request_method=b"GET")
+    assert parsed is not None
+    head, consumed = parsed
+    assert consumed == len(raw)
+    fast = http1.relay_fields(raw, http1.RESPONSE_DROP)
+    if fast is None:
+        return  # Connection nominated other fields: the caller takes the general path
+    rebuilt = b"HTTP/1.1 200 OK" + fast + b"\r\n\r\n"
+    reparsed = http1.parse_response_head(rebuilt, request_method=b"GET")
+    assert reparsed is not None
+    general = [(n.lower(), v) for n, v in http1.strip_hop_by_hop(head.headers)]
+    assert [(n.lower(), v) for n, v in reparsed[0].headers] == general
+
+
+def test_nomination_falls_back() -> None:
+    raw = b"HTTP/1.1 200 OK\r\nConnection: close, X-A\r\nX-A: 1\r\nContent-Length: 0\r\n\r\n"
+    assert http1.relay_fields(raw, http1.RESPONSE_DROP) is None
+
+
+def test_drops_whole_lines_only() -> None:
+    raw = (
+        b"GET / HTTP/1.1\r\nHost: h\r\nX-Te: a\r\nTE: trailers\r\nTee: b\r\n"
+        b"Content-Length: 0\r\n\r\n"
+    )
+    drop = http1.compile_drop(http1.HOP_BY_HOP | {b"host", b"content-length"})
+    assert http1.relay_fields(raw, drop) == b"\r\nX-Te: a\r\nTee: b"
