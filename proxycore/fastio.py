@@ -30,6 +30,10 @@ class ByteStream(Protocol):
 
     async def receive(self, max_bytes: int) -> bytes: ...
 
+    async def receive_after_wait(self, max_bytes: int) -> bytes:
+        """Wait for readability first: for when the peer cannot have answered yet."""
+        ...
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
 
     def close(self) -> None: ...
@@ -65,17 +69,27 @@ class PlainStream:
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise trio.BrokenResourceError(str(exc)) from None
 
+    async def receive_after_wait(self, max_bytes: int) -> bytes:
+        # Skips the recv that would fail with EAGAIN: right after we sent a request (or a
+        # response) the peer has not answered yet, and a failed syscall costs as much as a
+        # successful one.
+        sock = self.sock
+        self._unyielded = 0
+        while True:
+            await wait_readable(sock)
+            try:
+                return sock.recv(max_bytes)
+            except BlockingIOError:
+                continue  # spurious wake-up
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                raise trio.BrokenResourceError(str(exc)) from None
+
     async def receive(self, max_bytes: int) -> bytes:
         sock = self.sock
         try:
             data = sock.recv(max_bytes)
         except BlockingIOError:
-            self._unyielded = 0
-            await wait_readable(sock)
-            try:
-                return sock.recv(max_bytes)
-            except (ConnectionResetError, BrokenPipeError) as exc:
-                raise trio.BrokenResourceError(str(exc)) from None
+            return await self.receive_after_wait(max_bytes)
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise trio.BrokenResourceError(str(exc)) from None
         await self._fair()
@@ -127,6 +141,9 @@ class TlsStream:
 
     def try_receive(self, max_bytes: int) -> bytes | None:
         return None  # TLS records need the SSL object: always go through receive()
+
+    async def receive_after_wait(self, max_bytes: int) -> bytes:
+        return await self.receive(max_bytes)
 
     async def receive(self, max_bytes: int) -> bytes:
         return bytes(await self.ssl_stream.receive_some(max_bytes))

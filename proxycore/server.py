@@ -236,15 +236,23 @@ class ClientConnection:
         self.deadline = math.inf
         self.upstream: UpstreamConnection | None = None
         self.raw_head = b""  # the bytes of the current request head, as the agent sent them
+        self.requests = 0  # request heads read on this connection
 
-    async def _receive(self, stream: ByteStream, phase: Phase, deadline: float) -> bytes:
-        """Receive for `phase`; the deadline is armed only if the kernel has nothing yet."""
-        data = stream.try_receive(RECV_SIZE)
-        if data is None:
-            self.phase = phase
-            self.deadline = deadline
-            data = await stream.receive(RECV_SIZE)
-        return data
+    async def _receive(
+        self, stream: ByteStream, phase: Phase, deadline: float, *, answer_pending: bool = False
+    ) -> bytes:
+        """Receive for `phase`; the deadline is armed only if the kernel has nothing yet.
+
+        `answer_pending`: we just sent something the peer must answer first (a request to the
+        upstream, a response to the agent), so do not try the kernel before waiting.
+        """
+        if not answer_pending:
+            data = stream.try_receive(RECV_SIZE)
+            if data is not None:
+                return data
+        self.phase = phase
+        self.deadline = deadline
+        return await stream.receive_after_wait(RECV_SIZE)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -261,14 +269,19 @@ class ClientConnection:
                 parsed = http1.parse_request_head(buffer, self.runtime.http_limits)
                 if parsed is not None:
                     head, consumed = parsed
+                    self.requests += 1
                     self.raw_head = bytes(buffer[:consumed])
                     del buffer[:consumed]
                     return head
             if buffer:
                 data = await self._receive(self.stream, Phase.HEAD, head_deadline)
             else:
+                # After a response the agent has nothing more to say until it reads it.
                 data = await self._receive(
-                    self.stream, Phase.IDLE, now + limits.idle_keepalive_timeout
+                    self.stream,
+                    Phase.IDLE,
+                    now + limits.idle_keepalive_timeout,
+                    answer_pending=self.requests > 0,
                 )
             if not data:
                 if buffer:
@@ -705,6 +718,7 @@ class ClientConnection:
         buffer = upstream.buffer
         deadline = trio.current_time() + self.limits.read_timeout
         http_limits = self.runtime.http_limits
+        answer_pending = True  # the request was just sent
         while True:
             if buffer:
                 parsed = http1.parse_response_head(buffer, http_limits, request_method=method)
@@ -717,7 +731,10 @@ class ClientConnection:
                             raise HttpProtocolError("unexpected 101 Switching Protocols")
                         continue  # interim (100 Continue, 103 Early Hints): not relayed
                     return response
-            data = await self._receive(upstream.stream, Phase.UPSTREAM, deadline)
+            data = await self._receive(
+                upstream.stream, Phase.UPSTREAM, deadline, answer_pending=answer_pending
+            )
+            answer_pending = False
             if not data:
                 if buffer:
                     raise HttpProtocolError("upstream closed inside a response head")

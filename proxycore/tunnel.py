@@ -20,7 +20,8 @@ import trio
 
 from .fastio import PlainStream
 
-_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, missing from older Python builds
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ / F_GETPIPE_SZ, missing from older Python builds
+_F_GETPIPE_SZ = 1032
 PIPE_SIZE = 1 << 20
 CHUNK = 1 << 20
 HAVE_SPLICE = hasattr(os, "splice")
@@ -100,13 +101,13 @@ async def _pump_splice(
     upward: bool,
     activity: _Activity,
 ) -> None:
+    src_fd, dst_fd = src.fileno(), dst.fileno()
+    # The pipe starts at the kernel's default size (64 KiB) and grows to PIPE_SIZE only once a
+    # splice fills it: a bulk transfer wants large moves, while an idle or chatty tunnel should
+    # not pin a 1 MiB buffer ring in the kernel (bench/bench_capacity.py measures this).
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    pipe_size = fcntl.fcntl(write_end, _F_GETPIPE_SZ)
     try:
-        try:
-            fcntl.fcntl(write_end, _F_SETPIPE_SZ, PIPE_SIZE)
-        except OSError:
-            pass  # capped by /proc/sys/fs/pipe-max-size: the default 64 KiB still works
-        src_fd, dst_fd = src.fileno(), dst.fileno()
         flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
         while True:
             await trio.lowlevel.wait_readable(src_fd)
@@ -117,6 +118,11 @@ async def _pump_splice(
             if n == 0:
                 return
             activity.touch()
+            if n >= pipe_size and pipe_size < PIPE_SIZE:
+                try:
+                    pipe_size = fcntl.fcntl(write_end, _F_SETPIPE_SZ, PIPE_SIZE)
+                except OSError:
+                    pipe_size = PIPE_SIZE  # capped by /proc/sys/fs/pipe-max-size: keep going
             pending = n
             while pending:
                 try:
