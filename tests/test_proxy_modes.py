@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 
 import httpx
@@ -19,6 +20,12 @@ from proxycore.events import (
     TunnelOpened,
 )
 from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, RunningProxy
+
+
+def appliancectl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance.cli", *args], capture_output=True, text=True, timeout=30
+    )
 
 
 def curl(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
@@ -327,40 +334,13 @@ def test_allowlist_entry_added_at_run_time(proxy: RunningProxy, plain_host: Fake
     url = f"http://other.test:{plain_host.port}/x"
     with httpx.Client(proxy=proxy.url, timeout=10) as client:
         assert client.get(url).status_code == 403
-        result = subprocess.run(
-            [
-                "python",
-                "-m",
-                "appliance.cli",
-                "--json",
-                "proxy-allow",
-                "--socket",
-                str(proxy.control_socket),
-                "test",
-                "other.test",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=20,
+        result = appliancectl(
+            "--json", "proxy-allow", "--socket", str(proxy.control_socket), "test", "other.test"
         )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["changed"] is True
         assert client.get(url).status_code == 200
-    bad = subprocess.run(
-        [
-            "python",
-            "-m",
-            "appliance.cli",
-            "proxy-allow",
-            "--socket",
-            str(proxy.control_socket),
-            "nosuchcrew",
-            "x.test",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=20,
-    )
+    bad = appliancectl("proxy-allow", "--socket", str(proxy.control_socket), "nosuchcrew", "x.test")
     assert bad.returncode == 1 and "unknown crew 'nosuchcrew'" in bad.stderr
 
 
@@ -376,21 +356,8 @@ def test_workers_share_the_port_and_the_run_time_allowlist(
 ) -> None:
     proxy = make_proxy(workers=2, with_control=True)
     url = f"http://other.test:{plain_host.port}/x"
-    allow = subprocess.run(
-        [
-            "python",
-            "-m",
-            "appliance.cli",
-            "--json",
-            "proxy-allow",
-            "--socket",
-            str(proxy.control_socket),
-            "test",
-            "other.test",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=20,
+    allow = appliancectl(
+        "--json", "proxy-allow", "--socket", str(proxy.control_socket), "test", "other.test"
     )
     assert allow.returncode == 0, allow.stderr
     # New connections are spread over both workers by the kernel; every one must see the entry.
