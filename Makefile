@@ -27,7 +27,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 types: install
-	$(BIN)/mypy proxycore appliance
+	$(BIN)/mypy proxycore netns appliance
 
 unit: install
 	$(BIN)/python -m pytest

@@ -90,11 +90,19 @@ async def _supervise(
                 nursery.cancel_scope.cancel()
                 break
     for process in processes:
-        if process.is_alive() and process.pid:
-            os.kill(process.pid, signal.SIGTERM)
+        _signal(process, signal.SIGTERM)
     for process in processes:
         process.join(timeout=10)
-        if process.is_alive() and process.pid:
-            os.kill(process.pid, signal.SIGKILL)
+        if process.is_alive():
+            _signal(process, signal.SIGKILL)
             process.join()
     return exit_code
+
+
+def _signal(process: BaseProcess, signum: int) -> None:
+    if process.pid is None:
+        return
+    try:
+        os.kill(process.pid, signum)
+    except ProcessLookupError:
+        pass  # it already exited (the signal reached the whole group, or it died)

@@ -1,1 +1,73 @@
-"""netns."""
+"""netns: the kernel half of the network policy (issue 3).
+
+Each crew gets a veth pair whose crew end lives in the crew's network namespace, a /30 from a
+configured pool (the gateway on the host end is the crew's identity at the proxy), and a chain
+in the appliance's nftables table that lets it reach exactly one thing: TCP to the proxy ports
+on its own gateway. Everything else (other host addresses, other crews, DNS, ICMP, IPv6,
+anything forwarded) is counted and dropped. docs/netns.md has the design and threat model.
+
+Modules, from the bottom up: `config` (frozen settings), `addressing` (the address plan, pure),
+`state` (the persistent allocation file), `nft` (table layout and atomic transactions), `kernel`
+(netlink, namespaces, sysctls), `manager` (`CrewNetworks`: attach, detach, reconcile, show).
+This package imports nothing from `appliance/` or `proxycore/`.
+"""
+
+from .addressing import CrewPlan, interface_name
+from .config import DEFAULT_POOL, DEFAULT_PROXY_PORT, NetConfig, validate_config
+from .errors import (
+    CrewNetworkError,
+    KernelError,
+    NetConfigError,
+    NetnsError,
+    NftError,
+    PoolConflictError,
+    PoolExhaustedError,
+    StateError,
+)
+from .kernel import InnerView, LinkInfo
+from .manager import (
+    Change,
+    CrewNetwork,
+    CrewNetworks,
+    CrewStatus,
+    NetworkReport,
+    ReconcileReport,
+    RuleCounter,
+    netns_of_pid,
+)
+from .nft import LibNftables, NftBackend, NftCli, default_backend
+from .state import CrewRecord, NetnsIdentity, Phase
+
+__all__ = [
+    "DEFAULT_POOL",
+    "DEFAULT_PROXY_PORT",
+    "Change",
+    "CrewNetwork",
+    "CrewNetworkError",
+    "CrewNetworks",
+    "CrewPlan",
+    "CrewRecord",
+    "CrewStatus",
+    "InnerView",
+    "KernelError",
+    "LibNftables",
+    "LinkInfo",
+    "NetConfig",
+    "NetConfigError",
+    "NetnsError",
+    "NetnsIdentity",
+    "NetworkReport",
+    "NftBackend",
+    "NftCli",
+    "NftError",
+    "Phase",
+    "PoolConflictError",
+    "PoolExhaustedError",
+    "ReconcileReport",
+    "RuleCounter",
+    "StateError",
+    "default_backend",
+    "interface_name",
+    "netns_of_pid",
+    "validate_config",
+]

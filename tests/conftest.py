@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -98,6 +98,7 @@ class RunningProxy:
     events_path: Path
     process: subprocess.Popen[bytes]
     control_socket: Path | None = None
+    stderr_lines: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -113,6 +114,27 @@ class RunningProxy:
                 break
         return decode_events(self.events_path.read_bytes()) if self.events_path.exists() else []
 
+    def wait_for_stderr(self, needles: set[str], timeout: float = 10.0) -> list[str]:
+        """Read the proxy's stderr until every needle has appeared in some line."""
+        import select
+
+        assert self.process.stderr is not None
+        seen = self.stderr_lines
+        deadline = time.monotonic() + timeout
+        while not all(any(n in line for line in seen) for n in needles):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"never saw {needles} in {seen}")
+            # os.read, not readline: a buffered reader may hold lines that select cannot see.
+            fd = self.process.stderr.fileno()
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise RuntimeError(f"proxy exited; stderr so far: {seen}")
+                seen.extend(chunk.decode(errors="replace").splitlines(keepends=True))
+        return seen
+
     def stop(self) -> str:
         if self.process.poll() is None:
             self.process.terminate()
@@ -121,7 +143,12 @@ class RunningProxy:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        return self.process.stderr.read().decode() if self.process.stderr else ""
+        rest = ""
+        if self.process.stderr:
+            rest = b"".join(iter(lambda: os.read(self.process.stderr.fileno(), 65536), b"")).decode(
+                errors="replace"
+            )
+        return "".join(self.stderr_lines) + rest
 
 
 def proxy_env() -> dict[str, str]:

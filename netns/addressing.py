@@ -1,0 +1,145 @@
+"""The address plan: which /30 and which interface name a crew gets. Pure functions, no I/O.
+
+Theory of operation: the pool is cut into /30 subnets numbered from 0. Subnet `i` is
+`pool.network_address + 4 * i`; its first host address is the gateway (the host end of the
+crew's veth, where the proxy listens and by which it identifies the crew) and its second is the
+crew's own address. A /30 rather than a /31 (RFC 3021) because the network and broadcast
+addresses of a /30 are never used by anything, so no tool has to understand /31 semantics.
+
+Which index a crew holds is recorded in the state file (`state.py`); this module only computes
+plans and checks addresses. Whether an address is used by the host is decided by `kernel.py`
+(a FIB lookup); `first_free_index` takes that check as a callback so that it stays pure.
+
+Interface names are derived from the crew id, not from the index, so that a name identifies a
+crew across restarts: the configured prefix plus hex digits of SHA-256(crew id), filling
+IFNAMSIZ-1 = 15 characters. With the default prefix "apx" that is 48 bits of hash: collisions
+are checked anyway (`CrewNetworks` refuses a second crew whose name would collide).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from .config import IFNAME_MAX
+from .errors import NetConfigError, PoolExhaustedError
+
+SUBNET_PREFIXLEN = 30
+SUBNET_SIZE = 4
+# Crew ids appear in interface comments, nft rule comments and log prefixes: keep them plain.
+_CREW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+class CrewPlan(msgspec.Struct, frozen=True):
+    """Everything the kernel objects of one crew are built from."""
+
+    crew: str
+    index: int
+    # Host end of the veth; the key of the crew's nftables rules.
+    ifname: str
+    # e.g. "100.127.0.4/30"
+    subnet: str
+    # Host end address: where the proxy listens for this crew, and its identity.
+    gateway: str
+    # The crew end's address inside its namespace.
+    address: str
+    prefixlen: int = SUBNET_PREFIXLEN
+
+    @property
+    def chain(self) -> str:
+        """The crew's nftables chain."""
+        return chain_name(self.ifname)
+
+
+def check_crew_id(crew: str) -> str:
+    if not isinstance(crew, str) or not _CREW_ID.fullmatch(crew):
+        raise NetConfigError(
+            f"crew id {crew!r}: must be 1-63 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return crew
+
+
+def interface_name(prefix: str, crew: str) -> str:
+    """Deterministic, length-safe host interface name for a crew."""
+    digest = hashlib.sha256(crew.encode()).hexdigest()
+    return prefix + digest[: IFNAME_MAX - len(prefix)]
+
+
+def chain_name(ifname: str) -> str:
+    return f"crew_{ifname}"
+
+
+def parse_pool(pool: str) -> ipaddress.IPv4Network:
+    network = ipaddress.ip_network(pool, strict=True)
+    assert isinstance(network, ipaddress.IPv4Network)
+    return network
+
+
+def capacity(pool: ipaddress.IPv4Network) -> int:
+    return int(pool.num_addresses) // SUBNET_SIZE
+
+
+def plan_for(pool: ipaddress.IPv4Network, prefix: str, crew: str, index: int) -> CrewPlan:
+    if not 0 <= index < capacity(pool):
+        raise PoolExhaustedError(f"subnet index {index} is outside pool {pool}")
+    base = pool.network_address + SUBNET_SIZE * index
+    subnet = ipaddress.IPv4Network((base, SUBNET_PREFIXLEN))
+    return CrewPlan(
+        crew=crew,
+        index=index,
+        ifname=interface_name(prefix, crew),
+        subnet=str(subnet),
+        gateway=str(base + 1),
+        address=str(base + 2),
+    )
+
+
+def first_free_index(
+    pool: ipaddress.IPv4Network,
+    taken: Iterable[int],
+    in_use_on_host: Callable[[ipaddress.IPv4Network], bool],
+) -> int:
+    """The lowest subnet index not recorded in the state and not used by the host.
+
+    Never hands out a subnet that the host already uses (an address, or a route other than the
+    default route): such a subnet is skipped, not taken.
+    """
+    held = set(taken)
+    for index in range(capacity(pool)):
+        if index in held:
+            continue
+        subnet = ipaddress.IPv4Network((pool.network_address + SUBNET_SIZE * index, 30))
+        if not in_use_on_host(subnet):
+            return index
+    raise PoolExhaustedError(
+        f"address pool {pool} is exhausted ({len(held)} crews allocated, the rest in use)"
+    )
+
+
+class HostUse(msgspec.Struct, frozen=True):
+    """One address or route of the host, described for an error message."""
+
+    network: str
+    what: str
+
+
+def pool_conflicts(pool: ipaddress.IPv4Network, uses: Iterable[HostUse]) -> tuple[str, ...]:
+    """Descriptions of the host uses that overlap the pool.
+
+    A default route (prefix length 0) overlaps everything and means nothing here: a more
+    specific connected route of a crew always wins over it. Any other overlapping route or
+    address could capture a crew's traffic or be captured by it, so it is a conflict.
+    """
+    found: list[str] = []
+    for use in uses:
+        network = ipaddress.ip_network(use.network, strict=False)
+        if not isinstance(network, ipaddress.IPv4Network) or network.prefixlen == 0:
+            continue
+        if network.overlaps(pool):
+            found.append(use.what)
+    return tuple(found)

@@ -1,0 +1,542 @@
+"""The appliance's nftables table: its layout, its transactions and how it is read back.
+
+Theory of operation
+-------------------
+Everything the appliance does to nftables is one JSON document (libnftables-json(5)) applied as
+one transaction: libnftables sends the whole batch to the kernel, which commits all of it or
+none of it (nf_tables keeps two generations of the ruleset and switches between them at commit),
+so a packet sees either the old ruleset or the new one and a refused batch leaves the old one in
+place. Nothing outside the table named in the configuration is ever touched; the ruleset is
+never flushed.
+
+Layout (family inet, so one table sees IPv4 and IPv6)::
+
+    map   crew_ingress   ifname : verdict        "apx3f2a..." : jump crew_apx3f2a...
+    chain prerouting     hook prerouting, priority -150
+            iifname vmap @crew_ingress                           one hash lookup per packet
+            iifname "apx*" counter name unmapped_drops drop      a crew interface with no chain
+    chain forward        hook forward, priority -150
+            iifname "apx*" counter name forward_from_crews drop
+            oifname "apx*" counter name forward_to_crews drop
+    chain crew_<ifname>  (one per crew, reached only through the map)
+            ip saddr <crew> ip daddr <gateway> tcp dport {ports} ct state {new, established}
+                counter accept
+            [limit rate N/minute log prefix "<prefix> drop <crew>: "]
+            counter drop
+
+A packet from a crew interface is judged in prerouting, before the routing decision: the same
+rules therefore stop traffic to the host's own addresses (which would go to the input hook) and
+traffic to anywhere else (which would be forwarded), nothing depends on whether the host has
+IP forwarding on, every dropped packet is counted, and the host never answers with an ICMP
+error from its routing code. The forward chain is a second, independent layer: nothing is ever
+forwarded from or to an interface with the appliance's prefix, whatever the map holds.
+
+The per-packet cost is one hash lookup plus the crew's own three rules, and adding or removing a
+crew is a constant-size batch (its chain and one map element), so neither grows with the number
+of crews (the issue's benchmark target).
+
+Every batch starts with the same idempotent prelude (add table, map, counters and base chains;
+flush the base chains and re-add their rules): a batch that adds a crew can therefore never leave
+that crew's interface unfiltered, even if the table was deleted behind the appliance's back.
+Named counters keep the base counts across these re-adds.
+
+Every rule carries a comment "<role> ... v=<fingerprint of its expression>", so reconciliation
+compares comments, not nft's normalized rendering of expressions: a rule changed, added or
+removed by hand shows up as a different list of comments.
+
+Backends: libnftables through ctypes (the library every `nft` binary links; the same calls as
+Debian's python3-nftables binding), or the `nft -j -f -` command if the library cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .addressing import CrewPlan, chain_name
+from .errors import NftError
+
+Json = dict[str, Any]
+
+FAMILY = "inet"
+MAP = "crew_ingress"
+PREROUTING = "prerouting"
+FORWARD = "forward"
+CREW_CHAIN_PREFIX = "crew_"
+COUNTERS = ("unmapped_drops", "forward_from_crews", "forward_to_crews")
+# Bumped when the layout changes, so that reconciliation rebuilds tables of an older layout.
+LAYOUT_VERSION = 1
+
+
+class NftBackend(Protocol):
+    """Applies one JSON batch atomically; returns the `nftables` array of its output."""
+
+    def run(self, commands: Sequence[Json]) -> list[Json]: ...
+
+
+def _decode_output(text: str) -> list[Json]:
+    if not text.strip():
+        return []
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise NftError(f"unreadable JSON output from nftables: {exc}") from None
+    items = document.get("nftables", []) if isinstance(document, dict) else []
+    return [item for item in items if isinstance(item, dict)]
+
+
+class LibNftables:
+    """libnftables through ctypes; one context, used under a lock (it is not thread-safe)."""
+
+    # include/nftables/libnftables.h: enum nft_output_flags.
+    _OUTPUT_JSON = 1 << 4
+
+    def __init__(self, library: str | None = None) -> None:
+        name = library or ctypes.util.find_library("nftables") or "libnftables.so.1"
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError as exc:
+            raise NftError(f"cannot load libnftables ({name}): {exc}") from None
+        lib.nft_ctx_new.restype = ctypes.c_void_p
+        lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+        lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+        lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+        lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
+        lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+        lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
+        lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
+        lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+        lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+        lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
+        ctx = lib.nft_ctx_new(0)  # NFT_CTX_DEFAULT
+        if not ctx:
+            raise NftError("nft_ctx_new failed")
+        # With JSON output set, libnftables also parses its input as JSON (libnftables(3)).
+        lib.nft_ctx_output_set_flags(ctx, self._OUTPUT_JSON)
+        if lib.nft_ctx_buffer_output(ctx) != 0 or lib.nft_ctx_buffer_error(ctx) != 0:
+            lib.nft_ctx_free(ctx)
+            raise NftError("cannot buffer libnftables output")
+        self._lib = lib
+        self._ctx: int | None = ctx
+        self._lock = threading.Lock()
+
+    def run(self, commands: Sequence[Json]) -> list[Json]:
+        payload = json.dumps({"nftables": list(commands)}).encode()
+        with self._lock:
+            if self._ctx is None:
+                raise NftError("libnftables context is closed")
+            rc = self._lib.nft_run_cmd_from_buffer(self._ctx, payload)
+            output = (self._lib.nft_ctx_get_output_buffer(self._ctx) or b"").decode()
+            error = (self._lib.nft_ctx_get_error_buffer(self._ctx) or b"").decode()
+        if rc != 0:
+            raise NftError(error or f"libnftables returned {rc}")
+        return _decode_output(output)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ctx is not None:
+                self._lib.nft_ctx_free(self._ctx)
+                self._ctx = None
+
+
+class NftCli:
+    """The `nft` command, reading the batch as JSON on standard input."""
+
+    def __init__(self, binary: str = "nft") -> None:
+        path = shutil.which(binary)
+        if path is None:
+            raise NftError(f"{binary} not found on PATH")
+        self.binary = path
+
+    def run(self, commands: Sequence[Json]) -> list[Json]:
+        payload = json.dumps({"nftables": list(commands)})
+        try:
+            done = subprocess.run(
+                [self.binary, "-j", "-f", "-"],
+                input=payload,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise NftError(f"cannot run {self.binary}: {exc}") from None
+        if done.returncode != 0:
+            raise NftError(done.stderr or f"{self.binary} exited with {done.returncode}")
+        return _decode_output(done.stdout)
+
+    def close(self) -> None:
+        pass
+
+
+def default_backend() -> LibNftables | NftCli:
+    try:
+        return LibNftables()
+    except NftError:
+        return NftCli()
+
+
+# --- building batches -----------------------------------------------------------------------------
+
+
+def _fingerprint(value: object) -> str:
+    canonical = json.dumps([LAYOUT_VERSION, value], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:10]
+
+
+def _match(left: Json, right: object) -> Json:
+    return {"match": {"op": "==", "left": left, "right": right}}
+
+
+def _meta(key: str) -> Json:
+    return {"meta": {"key": key}}
+
+
+def _payload(protocol: str, name: str) -> Json:
+    return {"payload": {"protocol": protocol, "field": name}}
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """A rule as the appliance writes it: its expression and the comment that identifies it."""
+
+    role: str
+    expr: tuple[Json, ...]
+    label: str = ""
+
+    @property
+    def comment(self) -> str:
+        label = f" {self.label}" if self.label else ""
+        return f"{self.role}{label} v={_fingerprint(self.expr)}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The table's desired shape for one configuration; builds every batch."""
+
+    table: str
+    priority: int
+    ifname_prefix: str
+    proxy_ports: tuple[int, ...]
+    log_drops: bool = False
+    log_rate_per_minute: int = 6
+
+    def _obj(self, **fields: object) -> Json:
+        return {"family": FAMILY, "table": self.table, **fields}
+
+    # The base: table, map, counters, hooked chains.
+
+    def base_rules(self) -> dict[str, tuple[RuleSpec, ...]]:
+        wildcard = self.ifname_prefix + "*"  # nft(8): a trailing '*' matches by prefix
+        return {
+            PREROUTING: (
+                RuleSpec("dispatch", ({"vmap": {"key": _meta("iifname"), "data": "@" + MAP}},)),
+                # An interface with the appliance's prefix whose crew has no chain (yet, or
+                # any more): fail closed.
+                RuleSpec(
+                    "unmapped",
+                    (_match(_meta("iifname"), wildcard), {"counter": COUNTERS[0]}, {"drop": None}),
+                ),
+            ),
+            FORWARD: (
+                RuleSpec(
+                    "from-crews",
+                    (_match(_meta("iifname"), wildcard), {"counter": COUNTERS[1]}, {"drop": None}),
+                ),
+                RuleSpec(
+                    "to-crews",
+                    (_match(_meta("oifname"), wildcard), {"counter": COUNTERS[2]}, {"drop": None}),
+                ),
+            ),
+        }
+
+    def base_chain_spec(self, name: str) -> Json:
+        hook = {PREROUTING: "prerouting", FORWARD: "forward"}[name]
+        return self._obj(name=name, type="filter", hook=hook, prio=self.priority, policy="accept")
+
+    def prelude(self) -> list[Json]:
+        """Idempotent: creates what is missing and rewrites the base chains' rules."""
+        commands: list[Json] = [
+            {"add": {"table": {"family": FAMILY, "name": self.table}}},
+            {"add": {"map": self._obj(name=MAP, type="ifname", map="verdict")}},
+        ]
+        commands += [{"add": {"counter": self._obj(name=name)}} for name in COUNTERS]
+        for chain, rules in self.base_rules().items():
+            commands.append({"add": {"chain": self.base_chain_spec(chain)}})
+            commands.append({"flush": {"chain": self._obj(name=chain)}})
+            commands += [self._rule(chain, rule) for rule in rules]
+        return commands
+
+    def _rule(self, chain: str, rule: RuleSpec) -> Json:
+        return {"add": {"rule": self._obj(chain=chain, comment=rule.comment, expr=list(rule.expr))}}
+
+    # One crew.
+
+    def crew_rules(self, plan: CrewPlan) -> tuple[RuleSpec, ...]:
+        ports: object = (
+            self.proxy_ports[0] if len(self.proxy_ports) == 1 else {"set": list(self.proxy_ports)}
+        )
+        allow = RuleSpec(
+            "allow",
+            (
+                # The crew's own source address: a crew cannot speak for another one, even
+                # with raw sockets (the proxy identifies crews by gateway, this is defence in
+                # depth against blind spoofing).
+                _match(_payload("ip", "saddr"), plan.address),
+                _match(_payload("ip", "daddr"), plan.gateway),
+                _match(_payload("tcp", "dport"), ports),
+                # New connections and the rest of the connections they open; "invalid" and
+                # "related" (ICMP errors, helpers) are not needed by a TCP client of the proxy.
+                {
+                    "match": {
+                        "op": "in",
+                        "left": {"ct": {"key": "state"}},
+                        "right": ["new", "established"],
+                    }
+                },
+                {"counter": None},
+                {"accept": None},
+            ),
+            plan.crew,
+        )
+        rules = [allow]
+        if self.log_drops:
+            rules.append(
+                RuleSpec(
+                    "log",
+                    (
+                        {"limit": {"rate": self.log_rate_per_minute, "per": "minute", "burst": 5}},
+                        {
+                            "log": {
+                                "prefix": f"{self.ifname_prefix} drop {plan.crew}: ",
+                                "level": "info",
+                            }
+                        },
+                    ),
+                    plan.crew,
+                )
+            )
+        rules.append(RuleSpec("drop", ({"counter": None}, {"drop": None}), plan.crew))
+        return tuple(rules)
+
+    def _crew_objects(self, plan: CrewPlan) -> list[Json]:
+        chain = plan.chain
+        commands: list[Json] = [
+            {"add": {"chain": self._obj(name=chain)}},
+            {"flush": {"chain": self._obj(name=chain)}},
+        ]
+        commands += [self._rule(chain, rule) for rule in self.crew_rules(plan)]
+        commands.append(
+            {
+                "add": {
+                    "element": self._obj(
+                        name=MAP, elem=[[plan.ifname, {"jump": {"target": chain}}]]
+                    )
+                }
+            }
+        )
+        return commands
+
+    def install_crew(self, plan: CrewPlan) -> list[Json]:
+        """The crew's chain and map element, with the prelude: one atomic batch."""
+        return [*self.prelude(), *self._crew_objects(plan)]
+
+    def _remove_objects(self, ifname: str) -> list[Json]:
+        chain = chain_name(ifname)
+        # add-then-delete makes the removal idempotent: it succeeds whether or not the chain and
+        # the element exist. The chain is flushed before it is deleted because kernels before
+        # 5.x refuse to delete a chain that still has rules (EBUSY).
+        return [
+            {"add": {"chain": self._obj(name=chain)}},
+            {"add": {"element": self._obj(name=MAP, elem=[[ifname, {"jump": {"target": chain}}]])}},
+            {"delete": {"element": self._obj(name=MAP, elem=[ifname])}},
+            {"flush": {"chain": self._obj(name=chain)}},
+            {"delete": {"chain": self._obj(name=chain)}},
+        ]
+
+    def remove_crew(self, ifname: str) -> list[Json]:
+        return [*self.prelude(), *self._remove_objects(ifname)]
+
+    def rebuild(self, plans: Iterable[CrewPlan]) -> list[Json]:
+        """Replace the whole table in one transaction (add, delete, re-create)."""
+        commands: list[Json] = [
+            {"add": {"table": {"family": FAMILY, "name": self.table}}},
+            {"delete": {"table": {"family": FAMILY, "name": self.table}}},
+            *self.prelude(),
+        ]
+        for plan in plans:
+            commands += self._crew_objects(plan)
+        return commands
+
+    def repair(self, install: Iterable[CrewPlan], remove: Iterable[str]) -> list[Json]:
+        commands = self.prelude()
+        for ifname in remove:
+            commands += self._remove_objects(ifname)
+        for plan in install:
+            commands += self._crew_objects(plan)
+        return commands
+
+    def list_table(self) -> list[Json]:
+        return [{"list": {"table": {"family": FAMILY, "name": self.table}}}]
+
+    def delete_table(self) -> list[Json]:
+        return [
+            {"add": {"table": {"family": FAMILY, "name": self.table}}},
+            {"delete": {"table": {"family": FAMILY, "name": self.table}}},
+        ]
+
+
+# --- reading the table back -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuleState:
+    handle: int
+    comment: str
+    # Sum of the anonymous counters in the rule; named counters are in TableState.counters.
+    packets: int
+    bytes: int
+    counter_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ChainState:
+    name: str
+    hook: str | None = None
+    type: str | None = None
+    prio: int | None = None
+    policy: str | None = None
+    rules: tuple[RuleState, ...] = ()
+
+
+@dataclass(frozen=True)
+class TableState:
+    chains: dict[str, ChainState] = field(default_factory=dict)
+    # map name -> (key type, data type, {key: jump target or verdict text})
+    maps: dict[str, tuple[str, str, dict[str, str]]] = field(default_factory=dict)
+    counters: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Objects of kinds the appliance never creates (sets, flowtables, quotas...).
+    foreign: tuple[str, ...] = ()
+
+
+def _verdict_text(value: object) -> str:
+    if isinstance(value, dict):
+        for verdict in ("jump", "goto"):
+            if verdict in value and isinstance(value[verdict], dict):
+                return f"{verdict} {value[verdict].get('target')}"
+        return " ".join(sorted(value))
+    return str(value)
+
+
+def parse_table(items: Sequence[Json]) -> TableState:
+    chains: dict[str, dict[str, Any]] = {}
+    rules: dict[str, list[RuleState]] = {}
+    maps: dict[str, tuple[str, str, dict[str, str]]] = {}
+    counters: dict[str, tuple[int, int]] = {}
+    foreign: list[str] = []
+    for item in items:
+        kind, body = next(iter(item.items()))
+        if kind in ("metainfo", "table"):
+            continue
+        if kind == "chain":
+            chains[body["name"]] = body
+        elif kind == "rule":
+            packets = sum(
+                int(e["counter"].get("packets", 0))
+                for e in body.get("expr", [])
+                if isinstance(e.get("counter"), dict)
+            )
+            nbytes = sum(
+                int(e["counter"].get("bytes", 0))
+                for e in body.get("expr", [])
+                if isinstance(e.get("counter"), dict)
+            )
+            named = next(
+                (e["counter"] for e in body.get("expr", []) if isinstance(e.get("counter"), str)),
+                None,
+            )
+            rules.setdefault(body["chain"], []).append(
+                RuleState(
+                    int(body.get("handle", 0)), str(body.get("comment", "")), packets, nbytes, named
+                )
+            )
+        elif kind == "map":
+            elements: dict[str, str] = {}
+            for element in body.get("elem", []):
+                if isinstance(element, list) and len(element) == 2:
+                    elements[str(element[0])] = _verdict_text(element[1])
+            maps[body["name"]] = (str(body.get("type")), str(body.get("map")), elements)
+        elif kind == "counter":
+            counters[body["name"]] = (int(body.get("packets", 0)), int(body.get("bytes", 0)))
+        else:
+            foreign.append(f"{kind} {body.get('name', '?')}")
+    return TableState(
+        chains={
+            name: ChainState(
+                name=name,
+                hook=body.get("hook"),
+                type=body.get("type"),
+                prio=body.get("prio"),
+                policy=body.get("policy"),
+                rules=tuple(rules.get(name, ())),
+            )
+            for name, body in chains.items()
+        },
+        maps=maps,
+        counters=counters,
+        foreign=tuple(foreign),
+    )
+
+
+def read_table(backend: NftBackend, layout: Layout) -> TableState | None:
+    """The table as the kernel has it, or None if it does not exist."""
+    try:
+        items = backend.run(layout.list_table())
+    except NftError as exc:
+        if "No such file or directory" in exc.message:
+            return None
+        raise
+    return parse_table(items)
+
+
+def base_differences(layout: Layout, table: TableState) -> list[str]:
+    """What makes the table's base differ from the layout (empty: the base is as written)."""
+    found: list[str] = []
+    for name, specs in layout.base_rules().items():
+        chain = table.chains.get(name)
+        want = layout.base_chain_spec(name)
+        if chain is None:
+            found.append(f"chain {name} missing")
+            continue
+        shape = (chain.type, chain.hook, chain.prio, chain.policy)
+        wanted = (want["type"], want["hook"], want["prio"], want["policy"])
+        if shape != wanted:
+            found.append(f"chain {name} is {shape}, want {wanted}")
+        comments = [rule.comment for rule in chain.rules]
+        if comments != [spec.comment for spec in specs]:
+            found.append(f"chain {name} has rules {comments}")
+    for name in table.chains:
+        if name not in layout.base_rules() and not name.startswith(CREW_CHAIN_PREFIX):
+            found.append(f"unknown chain {name}")
+    mapping = table.maps.get(MAP)
+    if mapping is None:
+        found.append(f"map {MAP} missing")
+    elif mapping[:2] != ("ifname", "verdict"):
+        found.append(f"map {MAP} has type {mapping[:2]}")
+    for name in table.maps:
+        if name != MAP:
+            found.append(f"unknown map {name}")
+    for name in table.counters:
+        if name not in COUNTERS:
+            found.append(f"unknown counter {name}")
+    found += [f"unknown {what}" for what in table.foreign]
+    return found
