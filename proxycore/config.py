@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -204,8 +205,7 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
     return warnings
 
 
-def _check_base_url(url: str, key: str, fail: object) -> None:
-    assert callable(fail)
+def _check_base_url(url: str, key: str, fail: Callable[[str, str], ConfigError]) -> None:
     parsed = urllib.parse.urlsplit(url)
     # Credentials only ever travel over verified TLS, so a provider base URL must be https.
     if parsed.scheme != "https":
