@@ -109,45 +109,144 @@ _CHUNKED = BodyKind.CHUNKED
 _UNTIL_CLOSE = BodyKind.UNTIL_CLOSE
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHead:
+class _Head:
+    """What request and response heads share: the bytes as received, and fields split lazily.
+
+    Read-only by convention (plain slots, not a frozen dataclass: building one per message is on
+    the hot path, and the relay fast path never needs the field list, only `raw`).
+    """
+
+    __slots__ = (
+        "_headers",
+        "body_kind",
+        "content_length",
+        "http_version",
+        "keep_alive",
+        "nominates",
+        "raw",
+    )
+
+    raw: bytes  # the head exactly as received, start line through the final CRLF CRLF
+    http_version: bytes
+    body_kind: BodyKind
+    content_length: int
+    keep_alive: bool
+    # A Connection field names fields beyond close, keep-alive and the hop-by-hop set: the
+    # relay must take the general path (`strip_hop_by_hop`) rather than `relay_fields`.
+    nominates: bool
+    _headers: tuple[tuple[bytes, bytes], ...] | None
+
+    @property
+    def headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """(lowercased name, value) pairs in order; Transfer-Encoding values lowercased."""
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = _split_fields(self.raw[:-4])
+        return headers
+
+    def get(self, name: bytes) -> bytes | None:
+        """The first value of header `name` (lowercase), or None."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def _key(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        # Heads compare by what was read, as the frozen dataclasses they replace did.
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Head)
+        return self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class RequestHead(_Head):
     """A parsed request line and header section."""
 
-    method: bytes
-    target: bytes
-    http_version: bytes
-    headers: tuple[tuple[bytes, bytes], ...]
-    body_kind: BodyKind
-    content_length: int
-    keep_alive: bool
-    expect_continue: bool
+    __slots__ = ("expect_continue", "method", "target")
 
-    def get(self, name: bytes) -> bytes | None:
-        """The first value of header `name` (lowercase), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+    def __init__(
+        self,
+        raw: bytes,
+        method: bytes,
+        target: bytes,
+        http_version: bytes,
+        body_kind: BodyKind,
+        content_length: int,
+        keep_alive: bool,
+        expect_continue: bool,
+        nominates: bool,
+    ) -> None:
+        self.raw = raw
+        self.method = method
+        self.target = target
+        self.http_version = http_version
+        self.body_kind = body_kind
+        self.content_length = content_length
+        self.keep_alive = keep_alive
+        self.expect_continue = expect_continue
+        self.nominates = nominates
+        self._headers = None
+
+    def _key(self) -> tuple[object, ...]:
+        return (
+            self.method,
+            self.target,
+            self.http_version,
+            self.headers,
+            self.body_kind,
+            self.content_length,
+            self.keep_alive,
+            self.expect_continue,
+        )
+
+    def __repr__(self) -> str:
+        return f"RequestHead({self.method!r}, {self.target!r}, {self.http_version!r})"
 
 
-@dataclass(frozen=True, slots=True)
-class ResponseHead:
+class ResponseHead(_Head):
     """A parsed status line and header section."""
 
-    status: int
-    reason: bytes
-    http_version: bytes
-    headers: tuple[tuple[bytes, bytes], ...]
-    body_kind: BodyKind
-    content_length: int
-    keep_alive: bool
+    __slots__ = ("reason", "status")
 
-    def get(self, name: bytes) -> bytes | None:
-        """The first value of header `name` (lowercase), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+    def __init__(
+        self,
+        raw: bytes,
+        status: int,
+        reason: bytes,
+        http_version: bytes,
+        body_kind: BodyKind,
+        content_length: int,
+        keep_alive: bool,
+        nominates: bool,
+    ) -> None:
+        self.raw = raw
+        self.status = status
+        self.reason = reason
+        self.http_version = http_version
+        self.body_kind = body_kind
+        self.content_length = content_length
+        self.keep_alive = keep_alive
+        self.nominates = nominates
+        self._headers = None
+
+    def _key(self) -> tuple[object, ...]:
+        return (
+            self.status,
+            self.reason,
+            self.http_version,
+            self.headers,
+            self.body_kind,
+            self.content_length,
+            self.keep_alive,
+        )
+
+    def __repr__(self) -> str:
+        return f"ResponseHead({self.status}, {self.reason!r}, {self.http_version!r})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,74 +529,102 @@ def _comma_tokens(value: bytes) -> list[bytes]:
     return [t for t in (p.strip(b" \t") for p in value.lower().split(b",")) if t]
 
 
+# The fields that decide framing and connection handling, found in one pass over the lowercased
+# head (their values are compared case-insensitively anyway). Only these are looked at on the hot
+# path; the full field list is split out lazily, if someone asks for `headers`.
+_SPECIAL_FIELD_RE = re.compile(
+    rb"\r\n(c(?:ontent-length|onnection)|transfer-encoding|host|expect):[ \t]*+([^\r]*)"
+)
+
+
+def _split_fields(head: bytes) -> tuple[tuple[bytes, bytes], ...]:
+    """All field lines of an accepted head (without its final CRLF CRLF) as (lowercased name,
+    value without surrounding OWS); Transfer-Encoding values lowercased, as h11 reads them."""
+    fields: list[tuple[bytes, bytes]] = []
+    append = fields.append
+    lines = head.split(b"\r\n")
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.lower()
+        # RFC 9112 5: OWS around the value is not part of it.
+        value = value.strip(b" \t")
+        if name == _TRANSFER_ENCODING:
+            value = value.lower()
+        append((name, value))
+    return tuple(fields)
+
+
 def _read_fields(
     head: bytes, limits: Limits, side: _Side
-) -> tuple[bytes, bytes, list[tuple[bytes, bytes]], bool, int, bool, bool, int]:
-    """Split a head that passed the fast regex; validate and read its framing fields.
+) -> tuple[bytes, bytes, bool, int, bool, bool, int, bool]:
+    """Check the limits of a head that passed the fast regex and read its framing fields.
 
-    Returns (start line, HTTP version, fields, chunked, content_length or -1, "Connection:
-    close", "Expect: 100-continue", number of Host fields). One loop for both directions, so
-    that requests and responses can never be framed by different rules.
+    Returns (start line, HTTP version, chunked, content_length or -1, "Connection: close",
+    "Expect: 100-continue", number of Host fields, whether a Connection field nominates other
+    fields). One function for both directions, so that requests and responses can never be
+    framed by different rules.
     """
-    lines = head.split(b"\r\n")
-    start = lines[0]
+    first_eol = head.find(b"\r\n")
+    start = head if first_eol < 0 else head[:first_eol]
     # The fast regex fixed the layout: "... HTTP/1.x" or "HTTP/1.x ...".
     http_version = start[-3:] if side.is_request else start[5:8]
-    if len(start) > limits.max_request_line or len(lines) > limits.max_header_count + 1:
+    # Each field line takes at least 4 bytes ("\r\nX:"): short heads cannot be over the count.
+    if len(start) > limits.max_request_line or (
+        len(head) > 4 * limits.max_header_count and head.count(b"\r\n") > limits.max_header_count
+    ):
         _refuse_at(head + b"\r\n", len(head) + 2, limits, side, "head over limits", 431)
     bad = side.bad_status
-    headers: list[tuple[bytes, bytes]] = []
-    append = headers.append
-    special = _SPECIAL
     chunked = False
     content_length = -1
     close = False
     expect_continue = False
     host_count = 0
-    it = iter(lines)
-    next(it)
-    for line in it:
-        name, _, value = line.partition(b":")
-        name = name.lower()
-        # RFC 9112 5: OWS around the value is not part of it.
-        value = value.strip(b" \t")
-        if name in special:
-            if name == _HOST:
-                host_count += 1
-            elif name == _CONNECTION:
-                # RFC 9112 9.6. A cheap substring test first; the list split only if it may match.
-                if b"close" in value.lower() and b"close" in _comma_tokens(value):
+    nominates = False
+    for name, value in _SPECIAL_FIELD_RE.findall(head.lower()):
+        # RFC 9112 5: OWS around the value is not part of it (the regex took the leading OWS).
+        value = value.rstrip(b" \t")
+        if name == _HOST:
+            host_count += 1
+        elif name == _CONNECTION:
+            # RFC 9112 9.6. The two common values first, then the general list.
+            if value == b"keep-alive":
+                continue
+            if value == b"close":
+                close = True
+                continue
+            for token in _comma_tokens(value):
+                if token == b"close":
                     close = True
-            elif name == _CONTENT_LENGTH:
-                # RFC 9112 6.3 item 5: several Content-Length values, or a list, are an
-                # unrecoverable framing error. Unlike h11 we refuse identical duplicates too
-                # ("5, 5", or two lines).
-                if content_length >= 0:
-                    raise _refuse("more than one Content-Length field", bad)
-                # Content-Length = 1*DIGIT (RFC 9110 8.6): no sign, no inner whitespace, no
-                # list; at most 19 digits and below 2**63 (h11 allows 20 digits).
-                if _DIGITS_RE.fullmatch(value) is None:
-                    raise _refuse("invalid Content-Length value", bad)
-                content_length = int(value)
-                if content_length > _MAX_CONTENT_LENGTH:
-                    raise _refuse("Content-Length too large", bad)
-            elif name == _TRANSFER_ENCODING:
-                # Coding names are case-insensitive (RFC 9112 7): the value is passed on
-                # lowercased, as h11 reads it.
-                value = value.lower()
-                if chunked:
-                    raise _refuse("more than one Transfer-Encoding field", bad)
-                # RFC 9112 6.1: we understand only the chunked coding, alone; a server answers
-                # an unknown coding with 501. "chunked, chunked" and "gzip, chunked" included.
-                if value != b"chunked":
-                    raise _refuse(
-                        "unsupported Transfer-Encoding (only 'chunked')",
-                        501 if side.is_request else bad,
-                    )
-                chunked = True
-            elif b"100-continue" in value.lower() and b"100-continue" in _comma_tokens(value):
-                expect_continue = True  # Expect, RFC 9110 10.1.1
-        append((name, value))
+                elif token != b"keep-alive" and token not in HOP_BY_HOP:
+                    nominates = True
+        elif name == _CONTENT_LENGTH:
+            # RFC 9112 6.3 item 5: several Content-Length values, or a list, are an
+            # unrecoverable framing error. Unlike h11 we refuse identical duplicates too
+            # ("5, 5", or two lines).
+            if content_length >= 0:
+                raise _refuse("more than one Content-Length field", bad)
+            # Content-Length = 1*DIGIT (RFC 9110 8.6): no sign, no inner whitespace, no
+            # list; at most 19 digits and below 2**63 (h11 allows 20 digits).
+            # (bytes.isdigit is ASCII-only.)
+            if not value.isdigit() or len(value) > 19:
+                raise _refuse("invalid Content-Length value", bad)
+            content_length = int(value)
+            if content_length > _MAX_CONTENT_LENGTH:
+                raise _refuse("Content-Length too large", bad)
+        elif name == _TRANSFER_ENCODING:
+            if chunked:
+                raise _refuse("more than one Transfer-Encoding field", bad)
+            # RFC 9112 6.1: we understand only the chunked coding, alone; a server answers
+            # an unknown coding with 501. "chunked, chunked" and "gzip, chunked" included.
+            # Coding names are case-insensitive (RFC 9112 7).
+            if value != b"chunked":
+                raise _refuse(
+                    "unsupported Transfer-Encoding (only 'chunked')",
+                    501 if side.is_request else bad,
+                )
+            chunked = True
+        elif b"100-continue" in _comma_tokens(value):
+            expect_continue = True  # Expect, RFC 9110 10.1.1
     if chunked:
         # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding MUST be treated as having
         # faulty framing. RFC 9112 6.3 item 3: TE together with CL "ought to be handled as an
@@ -506,7 +633,16 @@ def _read_fields(
             raise _refuse("Transfer-Encoding in an HTTP/1.0 message", bad)
         if content_length >= 0:
             raise _refuse("both Transfer-Encoding and Content-Length", bad)
-    return start, http_version, headers, chunked, content_length, close, expect_continue, host_count
+    return (
+        start,
+        http_version,
+        chunked,
+        content_length,
+        close,
+        expect_continue,
+        host_count,
+        nominates,
+    )
 
 
 def parse_request_head(
@@ -526,8 +662,9 @@ def parse_request_head(
         return None
     if _REQUEST_HEAD_RE.fullmatch(buf, 0, idx + 2) is None:
         _refuse_at(buf, idx + 2, limits, _REQUEST_SIDE, "invalid request head", 400)
-    (start, http_version, headers, chunked, content_length, close, expect_continue, host_count) = (
-        _read_fields(bytes(buf[:idx]), limits, _REQUEST_SIDE)
+    raw = bytes(buf[: idx + 4])
+    start, http_version, chunked, content_length, close, expect_continue, host_count, nominates = (
+        _read_fields(raw[:idx], limits, _REQUEST_SIDE)
     )
     method, target, _ = start.split(b" ")
     is_11 = http_version == b"1.1"
@@ -543,10 +680,10 @@ def parse_request_head(
         kind, length = _NONE, 0
     return (
         RequestHead(
+            raw,
             method,
             target,
             http_version,
-            tuple(headers),
             kind,
             length,
             # RFC 9112 9.3: 1.1 is persistent unless "close"; 1.0 keep-alive is not honoured
@@ -554,6 +691,7 @@ def parse_request_head(
             is_11 and not close,
             # RFC 9110 10.1.1: a server MUST ignore 100-continue in an HTTP/1.0 request.
             is_11 and expect_continue,
+            nominates,
         ),
         idx + 4,
     )
@@ -577,8 +715,9 @@ def parse_response_head(
         return None
     if _RESPONSE_HEAD_RE.fullmatch(buf, 0, idx + 2) is None:
         _refuse_at(buf, idx + 2, limits, side, "invalid response head", 502)
-    start, http_version, headers, chunked, content_length, close, _, _ = _read_fields(
-        bytes(buf[:idx]), limits, side
+    raw = bytes(buf[: idx + 4])
+    start, http_version, chunked, content_length, close, _, _, nominates = _read_fields(
+        raw[:idx], limits, side
     )
     status = int(start[9:12])
     if not 100 <= status <= 599:
@@ -604,7 +743,7 @@ def parse_response_head(
         kind, length = _UNTIL_CLOSE, 0
     keep_alive = http_version == b"1.1" and not close and kind is not _UNTIL_CLOSE
     return (
-        ResponseHead(status, reason, http_version, tuple(headers), kind, length, keep_alive),
+        ResponseHead(raw, status, reason, http_version, kind, length, keep_alive, nominates),
         idx + 4,
     )
 
@@ -901,9 +1040,6 @@ def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes
 # each other); when a Connection field nominates other fields it returns None and the caller
 # takes the general path.
 
-_CONNECTION_VALUES = re.compile(rb"\r\nconnection:[ \t]*([^\r]*)", re.IGNORECASE)
-_PLAIN_CONNECTION_TOKENS = frozenset({b"", b"close", b"keep-alive"})
-
 
 def compile_drop(names: Iterable[bytes]) -> re.Pattern[bytes]:
     """A pattern matching whole field lines (with their leading CRLF) of the given names."""
@@ -914,19 +1050,15 @@ def compile_drop(names: Iterable[bytes]) -> re.Pattern[bytes]:
 RESPONSE_DROP = compile_drop(HOP_BY_HOP)
 
 
-def relay_fields(raw_head: bytes, drop: re.Pattern[bytes]) -> bytes | None:
-    """The field lines of an accepted head minus those `drop` matches, each led by CRLF.
+def relay_fields(head: RequestHead | ResponseHead, drop: re.Pattern[bytes]) -> bytes | None:
+    """The field lines of a parsed head minus those `drop` matches, each led by CRLF.
 
     The caller writes: start line + result + its own `\r\nname: value` lines + CRLF CRLF.
 
-    `raw_head` is exactly the bytes `parse_*_head` consumed (start line to the blank line). The
-    result holds neither the start line nor the final blank line. None when a Connection field
-    names a field beyond close/keep-alive and the hop-by-hop set.
+    The result holds neither the start line nor the final blank line. None when a Connection
+    field names a field beyond close/keep-alive and the hop-by-hop set (`head.nominates`).
     """
-    fields = raw_head[raw_head.find(b"\r\n") : len(raw_head) - 4]
-    for value in _CONNECTION_VALUES.findall(fields):
-        for token in value.split(b","):
-            token = token.strip(b" \t").lower()
-            if token not in _PLAIN_CONNECTION_TOKENS and token not in HOP_BY_HOP:
-                return None
-    return drop.sub(b"", fields)
+    if head.nominates:
+        return None
+    raw = head.raw
+    return drop.sub(b"", raw[raw.find(b"\r\n") : len(raw) - 4])

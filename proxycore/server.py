@@ -26,7 +26,9 @@ import enum
 import errno
 import logging
 import math
+import re
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -146,18 +148,20 @@ class ProxyRuntime:
         self.connections = 0
         self.tunnel_ids = 0
         self._authorities: dict[bytes, tuple[str, int]] = {}
+        self._host_fields: dict[tuple[str, int, bool], bytes] = {}
         self.live: set[ClientConnection] = set()
 
     async def reap_expired(self) -> None:
         """Cancel connections whose phase deadline has passed, every `REAP_INTERVAL` seconds.
 
-        Each connection keeps its deadline as a plain float that it sets before a wait; moving a
-        trio deadline instead costs a heap operation per wait, several per request. Timeouts are
+        Each connection keeps its deadline as a plain float (`time.monotonic()`, a C call, where
+        `trio.current_time()` is three Python frames) that it sets before a wait; moving a trio
+        deadline instead costs a heap operation per wait, several per request. Timeouts are
         seconds long, so enforcing them within `REAP_INTERVAL` is precise enough.
         """
         while True:
             await trio.sleep(REAP_INTERVAL)
-            now = trio.current_time()
+            now = time.monotonic()
             for connection in list(self.live):
                 if connection.deadline <= now:
                     connection.scope.cancel()
@@ -171,6 +175,20 @@ class ProxyRuntime:
                 self._authorities.clear()
             self._authorities[authority] = parsed
         return parsed
+
+    def host_field(self, host: str, port: int, tls: bool) -> bytes:
+        """The Host field value for an upstream request (memoized: it is pure)."""
+        key = (host, port, tls)
+        value = self._host_fields.get(key)
+        if value is None:
+            authority = f"[{host}]" if ":" in host else host
+            if port != (443 if tls else 80):
+                authority = f"{authority}:{port}"
+            value = authority.encode("ascii")
+            if len(self._host_fields) >= MEMO_SIZE:
+                self._host_fields.clear()
+            self._host_fields[key] = value
+        return value
 
     def crew_for(self, local_address: str) -> CrewState | None:
         return self.crews.get(local_address)
@@ -235,7 +253,6 @@ class ClientConnection:
         # Enforced by the runtime's reaper (see `reap_expired`), not by moving a trio deadline.
         self.deadline = math.inf
         self.upstream: UpstreamConnection | None = None
-        self.raw_head = b""  # the bytes of the current request head, as the agent sent them
         self.requests = 0  # request heads read on this connection
 
     async def _receive(
@@ -260,7 +277,7 @@ class ClientConnection:
         """The next request head, or None when the agent closed the connection."""
         limits = self.limits
         buffer = self.buffer
-        now = trio.current_time()
+        now = time.monotonic()
         # Idle between requests: the keep-alive timeout. From the first byte of a head, the whole
         # head must arrive within head_timeout (slowloris), however it is dribbled.
         head_deadline = now + limits.head_timeout if buffer else math.inf
@@ -270,7 +287,6 @@ class ClientConnection:
                 if parsed is not None:
                     head, consumed = parsed
                     self.requests += 1
-                    self.raw_head = bytes(buffer[:consumed])
                     del buffer[:consumed]
                     return head
             if buffer:
@@ -288,7 +304,7 @@ class ClientConnection:
                     raise HttpProtocolError("connection closed inside a request head")
                 return None
             if not buffer:
-                head_deadline = trio.current_time() + limits.head_timeout
+                head_deadline = time.monotonic() + limits.head_timeout
             buffer += data
 
     async def _receive_body(self) -> bytes:
@@ -296,7 +312,7 @@ class ClientConnection:
             data = bytes(self.buffer)
             self.buffer.clear()
             return data
-        deadline = trio.current_time() + self.limits.read_timeout
+        deadline = time.monotonic() + self.limits.read_timeout
         return await self._receive(self.stream, Phase.BODY, deadline)
 
     async def read_body_whole(self, reader: http1.BodyReader, cap: int) -> bytes:
@@ -499,16 +515,11 @@ class ClientConnection:
     # -- forward and reverse ----------------------------------------------------------------
 
     async def serve_forward(self, head: http1.RequestHead) -> bool:
-        rest = head.target[7:]
-        cut = len(rest)
-        for delimiter in (b"/", b"?", b"#"):
-            index = rest.find(delimiter)
-            if index != -1:
-                cut = min(cut, index)
-        authority, path = rest[:cut], rest[cut:]
-        if path[:1] == b"?":
-            path = b"/" + path
-        path = path.split(b"#", 1)[0] or b"/"
+        match = _ABSOLUTE_TARGET_RE.match(head.target, 7)
+        assert match is not None  # the pattern matches any bytes
+        authority, path = match.groups()
+        if path[:1] != b"/":
+            path = b"/" + path  # "http://host?q" or "http://host"
         close = not head.keep_alive
         try:
             host, port = self.runtime.parse_authority(authority)
@@ -582,10 +593,7 @@ class ClientConnection:
         client_close = not head.keep_alive
         if head.body_kind is http1.BodyKind.LENGTH and head.content_length > limits.max_body_bytes:
             raise self._too_large()
-        default_port = 443 if tls else 80
-        authority = f"[{host}]" if ":" in host else host
-        if port != default_port:
-            authority = f"{authority}:{port}"
+        authority = self.runtime.host_field(host, port, tls)
 
         # Body: small or chunked bodies are read whole (chunked is re-framed with a length so the
         # upstream never sees the agent's framing); large ones stream on a fresh connection.
@@ -607,13 +615,13 @@ class ClientConnection:
             length = 0
 
         injected = False
-        fields = None if provider is not None else http1.relay_fields(self.raw_head, _REQUEST_DROP)
+        fields = None if provider is not None else http1.relay_fields(head, _REQUEST_DROP)
         if fields is not None:
             # The fast path: the agent's field lines as they arrived, minus the dropped ones.
             request_head = b"%s %s HTTP/1.1\r\nhost: %s%s%s\r\n\r\n" % (
                 head.method,
                 target,
-                authority.encode("ascii"),
+                authority,
                 fields,
                 b"" if length is None else b"\r\ncontent-length: %d" % length,
             )
@@ -625,7 +633,7 @@ class ClientConnection:
             ]
             if provider is not None:
                 target, headers, injected = rewrite_for_provider(provider, target, headers)
-            headers.insert(0, (b"host", authority.encode("ascii")))
+            headers.insert(0, (b"host", authority))
             if length is not None:
                 headers.append((b"content-length", b"%d" % length))
             request_head = http1.serialize_request_head(head.method, target, headers)
@@ -716,7 +724,7 @@ class ClientConnection:
         self, upstream: UpstreamConnection, method: bytes
     ) -> http1.ResponseHead:
         buffer = upstream.buffer
-        deadline = trio.current_time() + self.limits.read_timeout
+        deadline = time.monotonic() + self.limits.read_timeout
         http_limits = self.runtime.http_limits
         answer_pending = True  # the request was just sent
         while True:
@@ -724,7 +732,6 @@ class ClientConnection:
                 parsed = http1.parse_response_head(buffer, http_limits, request_method=method)
                 if parsed is not None:
                     response, consumed = parsed
-                    upstream.raw_head = bytes(buffer[:consumed])
                     del buffer[:consumed]
                     if 100 <= response.status < 200:
                         if response.status == 101:
@@ -744,7 +751,6 @@ class ClientConnection:
     async def _relay_response(
         self, head: http1.RequestHead, response: http1.ResponseHead, upstream: UpstreamConnection
     ) -> bool:
-        reader = http1.BodyReader.for_response(response, self.runtime.http_limits)
         keep_client = head.keep_alive
         kind = response.body_kind
         rechunk = kind is http1.BodyKind.CHUNKED or kind is http1.BodyKind.UNTIL_CLOSE
@@ -756,7 +762,7 @@ class ClientConnection:
             extra.append((b"transfer-encoding", b"chunked"))
         if not keep_client:
             extra.append((b"connection", b"close"))
-        fields = http1.relay_fields(upstream.raw_head, http1.RESPONSE_DROP)
+        fields = http1.relay_fields(response, http1.RESPONSE_DROP)
         if fields is not None:
             out = bytearray(b"HTTP/1.1 %d %s" % (response.status, response.reason))
             out += fields
@@ -772,11 +778,20 @@ class ClientConnection:
         send_all = self.stream.send_all
         stream = upstream.stream
         buffer = upstream.buffer
+        self.response_started = True
+        if kind is http1.BodyKind.LENGTH and len(buffer) == response.content_length:
+            # The common small response: the whole body came with the head, nothing after it.
+            out += buffer
+            buffer.clear()
+            await send_all(out)
+            self.upstream = None
+            self._release_upstream(upstream, response.keep_alive)
+            return keep_client
+        reader = http1.BodyReader.for_response(response, self.runtime.http_limits)
         piece = b""
         if buffer:
             piece = reader.feed(bytes(buffer))
             buffer.clear()
-        self.response_started = True
         read_timeout = self.limits.read_timeout
         while True:
             if piece:
@@ -790,7 +805,7 @@ class ClientConnection:
                 await send_all(out)
                 out = bytearray()
             # Each piece re-arms the deadline: a slow stream is fine, a silent one is not.
-            data = await self._receive(stream, Phase.RELAY, trio.current_time() + read_timeout)
+            data = await self._receive(stream, Phase.RELAY, time.monotonic() + read_timeout)
             if data:
                 piece = reader.feed(data)
             else:
@@ -798,12 +813,14 @@ class ClientConnection:
                 piece = b""
         self.upstream = None
         leftover = reader.take_leftover()
-        if response.keep_alive and kind is not http1.BodyKind.UNTIL_CLOSE and not leftover:
-            if not self.runtime.dialer.checkin(upstream):
-                upstream.close()
-        else:
-            upstream.close()
+        reusable = response.keep_alive and kind is not http1.BodyKind.UNTIL_CLOSE
+        self._release_upstream(upstream, reusable and not leftover)
         return keep_client
+
+    def _release_upstream(self, upstream: UpstreamConnection, reusable: bool) -> None:
+        """After a complete exchange: back to the pool if it can carry another, else closed."""
+        if not (reusable and self.runtime.dialer.checkin(upstream)):
+            upstream.close()
 
     # -- tunnels ----------------------------------------------------------------------------
 
@@ -900,6 +917,9 @@ class _UpstreamClosedEarly(Exception):
 
 
 _REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect"})
+# After "http://": the authority runs to the first "/", "?" or "#"; the path and query run to
+# the fragment, which is dropped (RFC 9110 4.2.1: never sent to the origin).
+_ABSOLUTE_TARGET_RE = re.compile(rb"([^/?#]*)([^#]*)")
 _REQUEST_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING)
 _METHODS_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
 

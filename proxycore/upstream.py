@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -38,7 +39,6 @@ class UpstreamConnection:
     address: str
     stream: ByteStream
     buffer: bytearray = field(default_factory=bytearray)
-    raw_head: bytes = b""  # the last response head, as received
     reused: bool = False
     idle_since: float = 0.0
 
@@ -111,7 +111,7 @@ class Dialer:
     async def checkout(self, tls: bool, host: str, port: int) -> UpstreamConnection:
         key = (tls, host, port)
         idle = self._idle.get(key)
-        now = trio.current_time()
+        now = time.monotonic()
         while idle:
             connection = idle.pop()
             if now - connection.idle_since > IDLE_POOL_SECONDS:
@@ -180,7 +180,7 @@ class Dialer:
         idle = self._idle.setdefault(connection.key, [])
         if len(idle) >= self.pool_per_host or connection.buffer:
             return False
-        connection.idle_since = trio.current_time()
+        connection.idle_since = time.monotonic()
         idle.append(connection)
         return True
 

@@ -65,7 +65,7 @@ def test_fast_path_equals_general_path(raw: bytes) -> None:
     assert parsed is not None
     head, consumed = parsed
     assert consumed == len(raw)
-    fast = http1.relay_fields(raw, http1.RESPONSE_DROP)
+    fast = http1.relay_fields(head, http1.RESPONSE_DROP)
     if fast is None:
         return  # Connection nominated other fields: the caller takes the general path
     rebuilt = b"HTTP/1.1 200 OK" + fast + b"\r\n\r\n"
@@ -77,7 +77,9 @@ def test_fast_path_equals_general_path(raw: bytes) -> None:
 
 def test_nomination_falls_back() -> None:
     raw = b"HTTP/1.1 200 OK\r\nConnection: close, X-A\r\nX-A: 1\r\nContent-Length: 0\r\n\r\n"
-    assert http1.relay_fields(raw, http1.RESPONSE_DROP) is None
+    parsed = http1.parse_response_head(raw, request_method=b"GET")
+    assert parsed is not None
+    assert http1.relay_fields(parsed[0], http1.RESPONSE_DROP) is None
 
 
 def test_drops_whole_lines_only() -> None:
@@ -86,4 +88,6 @@ def test_drops_whole_lines_only() -> None:
         b"Content-Length: 0\r\n\r\n"
     )
     drop = http1.compile_drop(http1.HOP_BY_HOP | {b"host", b"content-length"})
-    assert http1.relay_fields(raw, drop) == b"\r\nX-Te: a\r\nTee: b"
+    parsed = http1.parse_request_head(raw)
+    assert parsed is not None
+    assert http1.relay_fields(parsed[0], drop) == b"\r\nX-Te: a\r\nTee: b"
