@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from native import headscan
 from proxycore import control
 from proxycore.config import ProxyConfig, load_config, validate
 from proxycore.errors import ConfigError, ProxyError
@@ -85,6 +86,14 @@ def run_proxy_worker(
                 )
             )
             print(f"proxy worker {worker}: listening on {where}", file=sys.stderr, flush=True)
+            if worker == 0 and not headscan.AVAILABLE:
+                # Said once: the reference parser serves, correct but slower.
+                print(
+                    "proxy: native head scanner not built (no C compiler at install?); "
+                    "using the Python parser",
+                    file=sys.stderr,
+                    flush=True,
+                )
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()

@@ -51,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NoReturn
 
+from native import headscan as _native
 from proxycore.errors import HttpProtocolError
 
 __all__ = [
@@ -124,9 +125,11 @@ class _Head:
         "keep_alive",
         "nominates",
         "raw",
+        "start_len",
     )
 
     raw: bytes  # the head exactly as received, start line through the final CRLF CRLF
+    start_len: int  # length of the start line (without its CRLF)
     http_version: bytes
     body_kind: BodyKind
     content_length: int
@@ -172,6 +175,7 @@ class RequestHead(_Head):
     def __init__(
         self,
         raw: bytes,
+        start_len: int,
         method: bytes,
         target: bytes,
         http_version: bytes,
@@ -182,6 +186,7 @@ class RequestHead(_Head):
         nominates: bool,
     ) -> None:
         self.raw = raw
+        self.start_len = start_len
         self.method = method
         self.target = target
         self.http_version = http_version
@@ -216,6 +221,7 @@ class ResponseHead(_Head):
     def __init__(
         self,
         raw: bytes,
+        start_len: int,
         status: int,
         reason: bytes,
         http_version: bytes,
@@ -225,6 +231,7 @@ class ResponseHead(_Head):
         nominates: bool,
     ) -> None:
         self.raw = raw
+        self.start_len = start_len
         self.status = status
         self.reason = reason
         self.http_version = http_version
@@ -653,7 +660,35 @@ def parse_request_head(
     Returns None while more bytes are needed, else the head and the number of bytes it took
     (through the final CRLFCRLF). Raises HttpProtocolError (400, 414, 431, 501 or 505) on
     anything it will not read, including an incomplete head already past the limits.
+
+    The C scanner (native/src/headscan.c) reads the common case; whatever it does not accept
+    outright goes to `reference_parse_request_head`, which defines the behaviour.
     """
+    facts = _native.scan_head(
+        buf, True, limits.max_request_line, limits.max_header_count, limits.max_header_bytes
+    )
+    if facts is None:
+        return reference_parse_request_head(buf, limits)
+    head_len, start_len, token_end, target_end, content_length, _, minor, flags = facts
+    raw = bytes(buf[: head_len + 4])
+    return _request_head(
+        raw,
+        start_len,
+        raw[:token_end],
+        raw[token_end + 1 : target_end],
+        b"1.1" if minor else b"1.0",
+        bool(flags & _native.FLAG_CHUNKED),
+        content_length,
+        bool(flags & _native.FLAG_CLOSE),
+        bool(flags & _native.FLAG_EXPECT_CONTINUE),
+        bool(flags & _native.FLAG_NOMINATES),
+    ), head_len + 4
+
+
+def reference_parse_request_head(
+    buf: bytes | bytearray, limits: Limits = DEFAULT_LIMITS
+) -> tuple[RequestHead, int] | None:
+    """`parse_request_head` in Python alone: the behaviour the C scanner is held to."""
     # RFC 9112 2.2: the head ends at the first empty line. Search only where a head within the
     # size limit could end.
     idx = buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
@@ -666,11 +701,37 @@ def parse_request_head(
     start, http_version, chunked, content_length, close, expect_continue, host_count, nominates = (
         _read_fields(raw[:idx], limits, _REQUEST_SIDE)
     )
-    method, target, _ = start.split(b" ")
-    is_11 = http_version == b"1.1"
     # RFC 9112 3.2: a 1.1 request without Host, or any request with more than one, gets 400.
-    if host_count != 1 and (host_count > 1 or is_11):
+    if host_count != 1 and (host_count > 1 or http_version == b"1.1"):
         raise _refuse(f"{host_count} Host fields (RFC 9112 3.2: exactly one)", 400)
+    method, target, _ = start.split(b" ")
+    return _request_head(
+        raw,
+        len(start),
+        method,
+        target,
+        http_version,
+        chunked,
+        content_length,
+        close,
+        expect_continue,
+        nominates,
+    ), idx + 4
+
+
+def _request_head(
+    raw: bytes,
+    start_len: int,
+    method: bytes,
+    target: bytes,
+    http_version: bytes,
+    chunked: bool,
+    content_length: int,
+    close: bool,
+    expect_continue: bool,
+    nominates: bool,
+) -> RequestHead:
+    """The request head from the facts of an accepted head (either parser)."""
     if chunked:
         kind, length = _CHUNKED, 0
     elif content_length >= 0:
@@ -678,22 +739,21 @@ def parse_request_head(
     else:
         # RFC 9112 6.3 item 7: a request with neither field has no body.
         kind, length = _NONE, 0
-    return (
-        RequestHead(
-            raw,
-            method,
-            target,
-            http_version,
-            kind,
-            length,
-            # RFC 9112 9.3: 1.1 is persistent unless "close"; 1.0 keep-alive is not honoured
-            # (as in h11): the connection closes after the response.
-            is_11 and not close,
-            # RFC 9110 10.1.1: a server MUST ignore 100-continue in an HTTP/1.0 request.
-            is_11 and expect_continue,
-            nominates,
-        ),
-        idx + 4,
+    is_11 = http_version == b"1.1"
+    return RequestHead(
+        raw,
+        start_len,
+        method,
+        target,
+        http_version,
+        kind,
+        length,
+        # RFC 9112 9.3: 1.1 is persistent unless "close"; 1.0 keep-alive is not honoured
+        # (as in h11): the connection closes after the response.
+        is_11 and not close,
+        # RFC 9110 10.1.1: a server MUST ignore 100-continue in an HTTP/1.0 request.
+        is_11 and expect_continue,
+        nominates,
     )
 
 
@@ -706,8 +766,33 @@ def parse_response_head(
     1xx interim responses come back as heads with BodyKind.NONE: the caller loops for the final
     response (and handles 101, and a 2xx answer to CONNECT, after which the bytes are no longer
     HTTP). Raises HttpProtocolError (status_hint 502) on anything it will not read. The status
-    line is held to `max_request_line`.
+    line is held to `max_request_line`. As for requests, the C scanner reads the common case
+    and `reference_parse_response_head` everything else.
     """
+    facts = _native.scan_head(
+        buf, False, limits.max_request_line, limits.max_header_count, limits.max_header_bytes
+    )
+    if facts is None:
+        return reference_parse_response_head(buf, limits, request_method=request_method)
+    head_len, start_len, _, _, content_length, status, minor, flags = facts
+    raw = bytes(buf[: head_len + 4])
+    return _response_head(
+        raw,
+        start_len,
+        status,
+        b"1.1" if minor else b"1.0",
+        bool(flags & _native.FLAG_CHUNKED),
+        content_length,
+        bool(flags & _native.FLAG_CLOSE),
+        bool(flags & _native.FLAG_NOMINATES),
+        request_method,
+    ), head_len + 4
+
+
+def reference_parse_response_head(
+    buf: bytes | bytearray, limits: Limits = DEFAULT_LIMITS, *, request_method: bytes
+) -> tuple[ResponseHead, int] | None:
+    """`parse_response_head` in Python alone: the behaviour the C scanner is held to."""
     side = _RESPONSE_SIDE
     idx = buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
     if idx < 0:
@@ -722,9 +807,34 @@ def parse_response_head(
     status = int(start[9:12])
     if not 100 <= status <= 599:
         raise _refuse(f"status code {status} out of range", 502)
+    return _response_head(
+        raw,
+        len(start),
+        status,
+        http_version,
+        chunked,
+        content_length,
+        close,
+        nominates,
+        request_method,
+    ), idx + 4
+
+
+def _response_head(
+    raw: bytes,
+    start_len: int,
+    status: int,
+    http_version: bytes,
+    chunked: bool,
+    content_length: int,
+    close: bool,
+    nominates: bool,
+    request_method: bytes,
+) -> ResponseHead:
+    """The response head from the facts of an accepted head (either parser)."""
     # "HTTP/1.1 200" (no SP, no reason) is read as an empty reason, as h11 does; RFC 9112 4
     # says a client SHOULD ignore the reason anyway.
-    reason = start[13:]
+    reason = raw[13:start_len]
     # RFC 9112 6.3, in order: item 1 (HEAD, 1xx, 204, 304: no body whatever the fields say),
     # item 2 (2xx to CONNECT: a tunnel follows, the caller takes over the bytes), items 4, 5, 8.
     if (
@@ -742,9 +852,8 @@ def parse_response_head(
     else:
         kind, length = _UNTIL_CLOSE, 0
     keep_alive = http_version == b"1.1" and not close and kind is not _UNTIL_CLOSE
-    return (
-        ResponseHead(raw, status, reason, http_version, kind, length, keep_alive, nominates),
-        idx + 4,
+    return ResponseHead(
+        raw, start_len, status, reason, http_version, kind, length, keep_alive, nominates
     )
 
 
@@ -1041,17 +1150,32 @@ def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes
 # takes the general path.
 
 
-def compile_drop(names: Iterable[bytes]) -> re.Pattern[bytes]:
-    """A pattern matching whole field lines (with their leading CRLF) of the given names."""
-    alternatives = b"|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
-    return re.compile(rb"\r\n(?:" + alternatives + rb"):[^\r]*", re.IGNORECASE)
+class DropSet:
+    """Field names `relay_fields` cuts out: a regex for the reference path, a mask for C."""
+
+    __slots__ = ("mask", "names", "pattern")
+
+    def __init__(self, names: Iterable[bytes]) -> None:
+        self.names = frozenset(name.lower() for name in names)
+        alternatives = b"|".join(
+            re.escape(name) for name in sorted(self.names, key=len, reverse=True)
+        )
+        # Whole field lines (with their leading CRLF) of the given names.
+        self.pattern = re.compile(rb"\r\n(?:" + alternatives + rb"):[^\r]*", re.IGNORECASE)
+        # None when a name is beyond what the C relay knows: the regex serves.
+        self.mask = _native.drop_mask(self.names) if _native.AVAILABLE else None
+
+
+def compile_drop(names: Iterable[bytes]) -> DropSet:
+    """The drop set for `relay_fields` of these field names (case-insensitive)."""
+    return DropSet(names)
 
 
 RESPONSE_DROP = compile_drop(HOP_BY_HOP)
 
 
-def relay_fields(head: RequestHead | ResponseHead, drop: re.Pattern[bytes]) -> bytes | None:
-    """The field lines of a parsed head minus those `drop` matches, each led by CRLF.
+def relay_fields(head: RequestHead | ResponseHead, drop: DropSet) -> bytes | None:
+    """The field lines of a parsed head minus those in `drop`, each led by CRLF.
 
     The caller writes: start line + result + its own `\r\nname: value` lines + CRLF CRLF.
 
@@ -1061,4 +1185,14 @@ def relay_fields(head: RequestHead | ResponseHead, drop: re.Pattern[bytes]) -> b
     if head.nominates:
         return None
     raw = head.raw
-    return drop.sub(b"", raw[raw.find(b"\r\n") : len(raw) - 4])
+    if drop.mask is not None:
+        return _native.relay_fields(raw, head.start_len, drop.mask)
+    return reference_relay_fields(head, drop)
+
+
+def reference_relay_fields(head: RequestHead | ResponseHead, drop: DropSet) -> bytes | None:
+    """`relay_fields` by regex alone: the behaviour the C relay is held to."""
+    if head.nominates:
+        return None
+    raw = head.raw
+    return drop.pattern.sub(b"", raw[head.start_len : len(raw) - 4])

@@ -1,0 +1,66 @@
+"""Build the native modules in place: `python -m native.build [--sanitize]`.
+
+`pip install .` builds them through setup.py; a source checkout (the Makefile, CI) uses this.
+`--sanitize` builds them in place with AddressSanitizer and UndefinedBehaviorSanitizer, for
+`make native-sanitize` (which runs the tests on them with the sanitizer runtimes preloaded, then
+rebuilds them normally: a sanitized module does not load without that preload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from native import _build_headscan
+
+ROOT = Path(__file__).resolve().parent.parent
+SANITIZE = [
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-g",
+    "-O1",
+]
+
+
+def build(out_dir: Path, extra_cflags: list[str] | None = None) -> Path:
+    """Compile every native module; the extension lands in out_dir/native/."""
+    ffi = _build_headscan.make_ffi(extra_cflags)
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = os.getcwd()
+        os.chdir(ROOT)
+        try:
+            built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+        finally:
+            os.chdir(cwd)
+        target = out_dir / "native" / built.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # One build per module: an older one under another suffix (an editable install
+        # leaves `.abi3.so`) could shadow or be shadowed by this one.
+        for stale in target.parent.glob("_headscan.*so"):
+            stale.unlink()
+        shutil.copy2(built, target)
+    return target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--sanitize", action="store_true", help="build with ASan + UBSan (see module docstring)"
+    )
+    args = parser.parse_args()
+    try:
+        path = build(ROOT, SANITIZE if args.sanitize else None)
+    except Exception as exc:  # a compiler error: say so, the reference implementations remain
+        print(f"native: build failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"native: built {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
