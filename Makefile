@@ -1,6 +1,6 @@
 # The two commands the README opens with:
 #   make demo   set up (a virtualenv with the project) and run the scripted tour
-#   make test   lint, types, the whole test suite and a bounded fuzz run
+#   make test   lint, types, the whole test suite, bounded fuzz runs, the C under ASan+UBSan
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -25,6 +25,11 @@ native: $(NATIVE_LIB)
 $(NATIVE_LIB): $(VENV)/.installed $(NATIVE_SRC)
 	$(BIN)/python -m native.build
 	touch $@
+
+demo: install
+	$(BIN)/appliancectl demo
+
+test: install lint types unit fuzz-smoke native-sanitize
 
 # The native tests and a fuzz run again, on modules built with ASan + UBSan (issue #4 asks for
 # it of every C module), then the normal build back. Python itself is not instrumented, so the
