@@ -225,3 +225,12 @@ def test_without_the_extension_the_reference_serves(monkeypatch: pytest.MonkeyPa
     parsed = http1.parse_request_head(message)
     assert parsed is not None
     assert parsed[0].target == b"http://a.test/" and not parsed[0].keep_alive
+
+
+def test_the_c_name_table_matches_the_python_sets() -> None:
+    # headscan.c's first ten names are its HOP_BY_HOP_MASK; native/ cannot import proxycore, so
+    # the two lists are kept in step here.
+    assert set(headscan.MASK_NAMES[:10]) == http1.HOP_BY_HOP
+    server_drop = http1.HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+    assert headscan.drop_mask(frozenset(server_drop)) == (1 << 13) - 1
+    assert headscan.drop_mask(frozenset({b"x-other"})) is None
