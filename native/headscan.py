@@ -78,14 +78,15 @@ if AVAILABLE:
             return _unpack(out, 8)  # type: ignore[no-any-return]
         return None
 
-    def relay_fields(raw: bytes, start_len: int, mask: int) -> bytes:
-        """The field lines of an accepted head `raw` minus the masked names, each led by CRLF."""
+    def relay_fields(raw: bytes, start_len: int, mask: int) -> bytes | None:
+        """The field lines of a parsed head `raw` minus the masked names, each led by CRLF; None
+        (use the reference) if the C relay cannot read `raw` as a head."""
         head_len = len(raw) - 4
         size = head_len - start_len
         out = ffi.new("char[]", size + 1)
         written = _relay(raw, start_len, head_len, mask, out, size)
         if written < 0:
-            raise ValueError("relay_fields: not a head the scanner accepted")
+            return None
         return _unpack(out, written)  # type: ignore[no-any-return]
 
 else:
@@ -95,5 +96,5 @@ else:
     ) -> list[int] | None:
         return None
 
-    def relay_fields(raw: bytes, start_len: int, mask: int) -> bytes:
-        raise RuntimeError("native head scanner not built")
+    def relay_fields(raw: bytes, start_len: int, mask: int) -> bytes | None:
+        return None

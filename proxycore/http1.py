@@ -321,7 +321,6 @@ _FIELD_LINE_PREFIX_RE = re.compile(rb"(?:" + _TOKEN + rb"(?::" + _VALUE_CHARS + 
 _TCHARS = frozenset(
     b"-!#$%&'*+.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 )
-_DIGITS_RE = re.compile(rb"[0-9]{1,19}")
 # chunk-size = 1*HEXDIG (RFC 9112 section 7.1). We allow at most 16 digits (2**64 - 1) and no
 # chunk-ext at all (RFC 9112 7.1.1): extensions are where parsers have disagreed
 # (quoted strings, bare LF inside them), and no client we serve sends them.
@@ -334,8 +333,6 @@ _CONTENT_LENGTH = b"content-length"
 _TRANSFER_ENCODING = b"transfer-encoding"
 _HOST = b"host"
 _CONNECTION = b"connection"
-_EXPECT = b"expect"
-_SPECIAL = frozenset({_CONTENT_LENGTH, _TRANSFER_ENCODING, _HOST, _CONNECTION, _EXPECT})
 
 
 def _refuse(message: str, status: int) -> HttpProtocolError:
@@ -1182,11 +1179,10 @@ def relay_fields(head: RequestHead | ResponseHead, drop: DropSet) -> bytes | Non
     The result holds neither the start line nor the final blank line. None when a Connection
     field names a field beyond close/keep-alive and the hop-by-hop set (`head.nominates`).
     """
-    if head.nominates:
-        return None
-    raw = head.raw
-    if drop.mask is not None:
-        return _native.relay_fields(raw, head.start_len, drop.mask)
+    if drop.mask is not None and not head.nominates:
+        fields = _native.relay_fields(head.raw, head.start_len, drop.mask)
+        if fields is not None:
+            return fields
     return reference_relay_fields(head, drop)
 
 
