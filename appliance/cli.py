@@ -10,16 +10,19 @@ import argparse
 import functools
 import json
 import logging
+import os
 import resource
 import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from native import headscan
+from native.scrub import native_missing_notice
 from proxycore import control
 from proxycore.config import ProxyConfig, load_config, validate
 from proxycore.errors import ConfigError, ProxyError
@@ -86,6 +89,9 @@ def run_proxy_worker(
                 )
             )
             print(f"proxy worker {worker}: listening on {where}", file=sys.stderr, flush=True)
+            notice = native_missing_notice()
+            if worker == 0 and notice:
+                print(f"proxy: {notice}", file=sys.stderr, flush=True)
             if worker == 0 and not headscan.AVAILABLE:
                 # Said once: the reference parser serves, correct but slower.
                 print(
@@ -140,22 +146,27 @@ def _run_workers(config: ProxyConfig, workers: int) -> int:
     return run_supervised(config, workers)
 
 
+def _control_request(path: str, message: control.ControlMessage) -> control.ControlReply:
+    """One message to a proxy's control socket and its reply; OSError if unreachable."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(control.encoder.encode(message) + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return control.reply_decoder.decode(data)
+
+
 def cmd_proxy_allow(args: argparse.Namespace, out: _Output) -> int:
     message = control.AllowHost(crew=args.crew, host=args.host)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5)
-            sock.connect(args.socket)
-            sock.sendall(control.encoder.encode(message) + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+        reply = _control_request(args.socket, message)
     except OSError as exc:
         return out.error(f"cannot reach control socket {args.socket}: {exc}", EXIT_FAILURE)
-    reply = control.reply_decoder.decode(data)
     if not reply.ok:
         return out.error(reply.error or "refused", EXIT_FAILURE)
     state = "added" if reply.changed else "already allowed"
@@ -163,6 +174,54 @@ def cmd_proxy_allow(args: argparse.Namespace, out: _Output) -> int:
         f"{args.host}: {state} for crew {args.crew}",
         {"ok": True, "crew": args.crew, "host": args.host, "changed": reply.changed},
     )
+    return EXIT_OK
+
+
+def cmd_proxy_reload_credentials(args: argparse.Namespace, out: _Output) -> int:
+    try:
+        reply = _control_request(args.socket, control.ReloadCredentials())
+    except OSError as exc:
+        return out.error(f"cannot reach control socket {args.socket}: {exc}", EXIT_FAILURE)
+    if not reply.ok:
+        return out.error(reply.error or "refused", EXIT_FAILURE)
+    state = "changed" if reply.changed else "unchanged"
+    out.result(f"credentials reloaded ({state})", {"ok": True, "changed": reply.changed})
+    return EXIT_OK
+
+
+def _named_secret(spec: str, *, from_env: bool) -> tuple[str, bytes]:
+    name, sep, where = spec.partition("=")
+    if not sep or not name or not where:
+        raise ValueError(f"{spec!r}: expected NAME={'VARIABLE' if from_env else 'PATH'}")
+    if from_env:
+        value = os.environ.get(where)
+        if value is None:
+            raise ValueError(f"--secret-env {name}: variable {where} is not set")
+        return name, value.encode()
+    try:
+        return name, Path(where).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"--secret-file {name}: cannot read {where}: {exc.strerror}") from None
+
+
+def cmd_scrub(args: argparse.Namespace, out: _Output) -> int:
+    """Standard input to standard output through the scrubber, streaming (logs, command output)."""
+    from native.scrub import PatternError, Scrubber
+
+    try:
+        secrets = [_named_secret(s, from_env=False) for s in args.secret_file]
+        secrets += [_named_secret(s, from_env=True) for s in args.secret_env]
+        scrubber = Scrubber(secrets)
+    except (ValueError, PatternError) as exc:
+        return out.error(str(exc), EXIT_USAGE)
+    stream = scrubber.stream()
+    sink = sys.stdout.buffer
+    # os.read, not a buffered read: output follows input as it arrives (a tailed log).
+    while chunk := os.read(sys.stdin.fileno(), 65536):
+        sink.write(stream.feed(chunk))
+        sink.flush()
+    sink.write(stream.flush())
+    sink.flush()
     return EXIT_OK
 
 
@@ -194,6 +253,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     allow.set_defaults(func=cmd_proxy_allow)
+
+    reload = commands.add_parser(
+        "proxy-reload-credentials",
+        help="make a running proxy read its provider credentials again (rotation) and rescrub",
+    )
+    reload.add_argument("--socket", required=True, help="the proxy's control socket")
+    reload.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    reload.set_defaults(func=cmd_proxy_reload_credentials)
+
+    scrub = commands.add_parser(
+        "scrub", help="filter standard input to standard output through the secret scrubber"
+    )
+    scrub.add_argument(
+        "--secret-file",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a secret to redact, read from a file (repeatable)",
+    )
+    scrub.add_argument(
+        "--secret-env",
+        action="append",
+        default=[],
+        metavar="NAME=VARIABLE",
+        help="a secret to redact, read from an environment variable (repeatable)",
+    )
+    scrub.set_defaults(func=cmd_scrub)
 
     demo = commands.add_parser("demo", help="a scripted tour against a local fake provider")
     demo.add_argument(

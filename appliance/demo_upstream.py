@@ -8,6 +8,7 @@ the agent's.
 
 from __future__ import annotations
 
+import gzip
 import json
 import ssl
 import threading
@@ -183,6 +184,60 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
+    def _echo(self, query: dict[str, list[str]]) -> None:
+        """`text` back as the body: `framing` length|chunked|close, in `pieces` writes `delay`
+        seconds apart, also in an `x-echo` field with `header=1`, gzip-encoded with
+        `encoding=gzip` (for the scrubber's tests: an upstream that echoes what it is given)."""
+        text = query.get("text", [""])[0].encode("utf-8", "surrogateescape")
+        framing = query.get("framing", ["length"])[0]
+        pieces = max(1, int(query.get("pieces", ["1"])[0]))
+        delay = float(query.get("delay", ["0"])[0])
+        encoding = query.get("encoding", [""])[0]
+        if encoding == "gzip":
+            text = gzip.compress(text)
+        self.send_response(200)
+        self.send_header("content-type", "text/plain")
+        if query.get("header") == ["1"]:
+            self.send_header("x-echo", text.decode("latin-1"))
+        if encoding:
+            self.send_header("content-encoding", encoding)
+        if framing == "length":
+            self.send_header("content-length", str(len(text)))
+        elif framing == "chunked":
+            self.send_header("transfer-encoding", "chunked")
+        else:
+            self.send_header("connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        step = -(-len(text) // pieces) if text else 1
+        for start in range(0, len(text), step):
+            part = text[start : start + step]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part) if framing == "chunked" else part)
+            self.wfile.flush()
+            if delay:
+                time.sleep(delay)
+        if framing == "chunked":
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+    def _leak_key(self, how: str) -> None:
+        """A provider that echoes the key it was sent (as some do in auth errors)."""
+        key = self.headers.get("x-api-key") or self.headers.get("authorization") or ""
+        if how == "sse":
+            half = len(key) // 2
+            self._sse(
+                [
+                    ("error", {"message": f"bad key {key[:half]}"}),
+                    ("more", {"rest": key[half:] + "!"}),
+                    ("error", {"message": f"key was {key}"}),
+                ],
+                0.05,
+            )
+        elif how == "header":
+            self._json(401, {"error": "see header"}, {"x-echo-key": key})
+        else:
+            self._json(401, {"type": "error", "error": {"message": f"invalid x-api-key: {key}"}})
+
     def do_HEAD(self) -> None:
         self._record()
         self._json(200, {"ok": True})
@@ -200,6 +255,8 @@ class _Handler(BaseHTTPRequestHandler):
             count = int(query.get("n", ["5"])[0])
             delay = float(query.get("delay", ["0.2"])[0])
             self._sse([("tick", {"i": i}) for i in range(count)], delay)
+        elif url.path == "/reflect":
+            self._echo(query)
         elif url.path == "/size":
             size = int(query.get("n", ["1024"])[0])
             data = b"x" * size
@@ -217,7 +274,10 @@ class _Handler(BaseHTTPRequestHandler):
             request = json.loads(body or b"{}")
         except ValueError:
             request = {}
-        if url.path.endswith("/v1/messages"):
+        leak = self.headers.get("x-fake-leak")
+        if leak:
+            self._leak_key(leak)
+        elif url.path.endswith("/v1/messages"):
             if request.get("stream"):
                 self._sse(SSE_EVENTS, 0.0)
             else:

@@ -35,6 +35,8 @@ MASK_NAMES: tuple[bytes, ...] = (
     b"host",
     b"content-length",
     b"expect",
+    b"accept-encoding",
+    b"content-encoding",
 )
 
 # Indexes into the list `scan_head` returns (headscan.h, APX_OUT_*).

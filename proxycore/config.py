@@ -21,6 +21,8 @@ from typing import Annotated
 
 import msgspec
 
+from native.scrub_patterns import token_shape
+
 from .errors import ConfigError
 from .policy import Allowlist, NetworkMode, normalize_host, parse_mode
 from .ssrf import AddressGuard
@@ -109,6 +111,23 @@ class ControlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     socket: str | None = None
 
 
+class ScrubShapeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A secret shape of the operator's: `prefix` then `min..max` bytes of the class `chars`
+    (`A-Za-z0-9_-` style), not glued to a preceding token character."""
+
+    name: str
+    prefix: str
+    chars: str = "A-Za-z0-9_-"
+    min: int = 16
+    max: int = 256
+
+
+class ScrubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Added to the built-in shapes (native/scrub_patterns.py). The credentials the proxy holds
+    # are always scrubbed; there is no switch to turn scrubbing off.
+    shapes: tuple[ScrubShapeConfig, ...] = ()
+
+
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     crew: tuple[CrewConfig, ...] = ()
     listen: ListenConfig = ListenConfig()
@@ -117,6 +136,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     upstream: UpstreamConfig = UpstreamConfig()
     events: EventsConfig = EventsConfig()
     control: ControlConfig = ControlConfig()
+    scrub: ScrubConfig = ScrubConfig()
 
 
 DEFAULT_BASE_URLS = {
@@ -202,6 +222,15 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
             ) from None
     if config.upstream.ca_file_only and not config.upstream.ca_file:
         raise fail("upstream.ca_file_only", "needs upstream.ca_file")
+    for index, shape in enumerate(config.scrub.shapes):
+        try:
+            token_shape(shape.name, shape.prefix.encode("utf-8"), shape.chars, shape.min, shape.max)
+        except ValueError as exc:  # PatternError, naming what is wrong with the shape
+            raise fail(f"scrub.shapes[{index}]", str(exc)) from None
+        if len(shape.prefix.encode("utf-8")) < 3 or not 1 <= shape.min <= shape.max <= 4096:
+            raise fail(
+                f"scrub.shapes[{index}]", "needs a prefix of >= 3 bytes and 1 <= min <= max <= 4096"
+            )
     return warnings
 
 

@@ -22,7 +22,13 @@ class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
     pass
 
 
-ControlMessage = AllowHost | Ping
+class ReloadCredentials(
+    msgspec.Struct, frozen=True, tag="reload_credentials", forbid_unknown_fields=True
+):
+    """Read the provider credentials again (rotated or added) and recompile the scrubber."""
+
+
+ControlMessage = AllowHost | Ping | ReloadCredentials
 
 
 class ControlReply(msgspec.Struct, frozen=True, omit_defaults=True):

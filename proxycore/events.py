@@ -8,13 +8,16 @@ or when a batch is full. The journal of the control plane plugs in as another si
 
 If the writer falls behind by more than `max_pending` events, further events are counted and
 reported as one `EventsDropped` event instead of growing memory without bound; the count is never
-silently lost. No event carries a credential value: `CredentialInjected` names the provider only.
+silently lost. No event carries a credential value: `CredentialInjected` names the provider only,
+and every batch passes through the scrubber before it is written, for what an event quotes from
+elsewhere (an upstream's words in a message, say).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Protocol
 
 import msgspec
@@ -143,6 +146,8 @@ class JsonLinesSink:
         self._dropped = 0
         self._encoder = msgspec.json.Encoder()
         self._wakeup = trio.Event()
+        # Applied to each batch before it is written (the proxy sets the scrubber here).
+        self.scrub: Callable[[bytes], bytes] | None = None
 
     def emit(self, event: Event) -> None:
         if len(self._pending) >= self._max_pending:
@@ -182,8 +187,9 @@ class JsonLinesSink:
         for event in batch:
             buffer += self._encoder.encode(event)
             buffer += b"\n"
+        data = bytes(buffer) if self.scrub is None else self.scrub(bytes(buffer))
         # A local file append of a batch is short; doing it inline keeps ordering trivial.
-        stream.write(buffer)
+        stream.write(data)
 
 
 def decode_events(data: bytes) -> list[AnyEvent]:

@@ -29,7 +29,7 @@ import math
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import trio
@@ -43,6 +43,7 @@ from .events import (
     AllowlistChanged,
     CredentialInjected,
     EventSink,
+    JsonLinesSink,
     PolicyWarning,
     RequestAllowed,
     RequestDenied,
@@ -60,6 +61,14 @@ from .policy import (
     parse_mode,
 )
 from .refusals import Refusal, local_json, refusal
+from .scrubbing import (
+    IDENTITY,
+    ScrubberHolder,
+    configured_shapes,
+    scrub_field_lines,
+    scrub_json_lines,
+    unscrubbable_encoding,
+)
 from .ssrf import AddressGuard
 from .upstream import Dialer, UpstreamConnection, make_tls_context
 
@@ -75,6 +84,9 @@ MEMO_SIZE = 4096
 REAP_INTERVAL = 0.25
 LINGER_BYTES = 256 * 1024
 LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
+# Response bodies up to this size are read whole before relaying, so they keep a Content-Length
+# after scrubbing; larger ones (and chunked, and SSE) stream through the scrubber.
+WHOLE_BODY = 64 * 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -116,16 +128,11 @@ class ProxyRuntime:
             max_header_count=limits.max_header_count,
             max_header_bytes=limits.max_header_bytes,
         )
-        self.routes_by_name: dict[bytes, ProviderRoute] = {}
-        self.routes_by_host: dict[str, ProviderRoute] = {}
-        for name, default_url in DEFAULT_BASE_URLS.items():
-            provider_config = getattr(config.providers, name)
-            credential = load_credential(
-                name, provider_config.credential_env, provider_config.credential_file
-            )
-            route = route_for(provider_config.base_url or default_url, Provider(name), credential)
-            self.routes_by_name[name.encode()] = route
-            self.routes_by_host[route.host] = route
+        self.routes_by_name, self.routes_by_host = load_routes(config)
+        # Everything relayed back to a crew passes through this (see proxycore/scrubbing.py).
+        self.scrubbers = ScrubberHolder(
+            route_secrets(self.routes_by_name.values()), configured_shapes(config.scrub.shapes)
+        )
         self.crews: dict[str, CrewState] = {}
         for crew in config.crew:
             mode, allowlist = crew_policy(crew)
@@ -196,9 +203,25 @@ class ProxyRuntime:
     def crew_named(self, name: str) -> CrewState | None:
         return next((c for c in self.crews.values() if c.name == name), None)
 
+    def reload_credentials(self) -> bool:
+        """Read every provider credential again (a rotation, a new key) and swap the routes and
+        the scrubber together; on any error nothing changes. True if a credential changed."""
+        routes_by_name, routes_by_host = load_routes(self.config)
+        secrets = route_secrets(routes_by_name.values())
+        changed = secrets != route_secrets(self.routes_by_name.values())
+        self.scrubbers.replace(secrets)
+        self.routes_by_name, self.routes_by_host = routes_by_name, routes_by_host
+        return changed
+
     def handle_control(self, message: control.ControlMessage) -> control.ControlReply:
         if isinstance(message, control.Ping):
             return control.ControlReply(ok=True)
+        if isinstance(message, control.ReloadCredentials):
+            try:
+                changed = self.reload_credentials()
+            except (ProxyError, ValueError) as exc:  # ConfigError names the key, never a value
+                return control.ControlReply(ok=False, error=str(exc))
+            return control.ControlReply(ok=True, changed=changed)
         crew = self.crew_named(message.crew)
         if crew is None:
             return control.ControlReply(ok=False, error=f"unknown crew {message.crew!r}")
@@ -213,6 +236,29 @@ class ProxyRuntime:
 
     async def handle_control_async(self, message: control.ControlMessage) -> control.ControlReply:
         return self.handle_control(message)
+
+
+def load_routes(config: ProxyConfig) -> tuple[dict[bytes, ProviderRoute], dict[str, ProviderRoute]]:
+    by_name: dict[bytes, ProviderRoute] = {}
+    by_host: dict[str, ProviderRoute] = {}
+    for name, default_url in DEFAULT_BASE_URLS.items():
+        provider_config = getattr(config.providers, name)
+        credential = load_credential(
+            name, provider_config.credential_env, provider_config.credential_file
+        )
+        route = route_for(provider_config.base_url or default_url, Provider(name), credential)
+        by_name[name.encode()] = route
+        by_host[route.host] = route
+    return by_name, by_host
+
+
+def route_secrets(routes: Iterable[ProviderRoute]) -> list[tuple[str, bytes]]:
+    """The credential values the proxy holds, named after their provider (for the scrubber)."""
+    return [
+        (route.provider.value, route.credential.reveal().encode())
+        for route in routes
+        if route.credential is not None
+    ]
 
 
 class _Refused(Exception):
@@ -618,12 +664,15 @@ class ClientConnection:
         fields = None if provider is not None else http1.relay_fields(head, _REQUEST_DROP)
         if fields is not None:
             # The fast path: the agent's field lines as they arrived, minus the dropped ones.
-            request_head = b"%s %s HTTP/1.1\r\nhost: %s%s%s\r\n\r\n" % (
-                head.method,
-                target,
-                authority,
-                fields,
-                b"" if length is None else b"\r\ncontent-length: %d" % length,
+            request_head = (
+                b"%s %s HTTP/1.1\r\nhost: %s%s\r\naccept-encoding: identity%s\r\n\r\n"
+                % (
+                    head.method,
+                    target,
+                    authority,
+                    fields,
+                    b"" if length is None else b"\r\ncontent-length: %d" % length,
+                )
             )
         else:
             headers = [
@@ -634,6 +683,7 @@ class ClientConnection:
             if provider is not None:
                 target, headers, injected = rewrite_for_provider(provider, target, headers)
             headers.insert(0, (b"host", authority))
+            headers.append((b"accept-encoding", IDENTITY))
             if length is not None:
                 headers.append((b"content-length", b"%d" % length))
             request_head = http1.serialize_request_head(head.method, target, headers)
@@ -706,7 +756,7 @@ class ClientConnection:
             sink.emit(
                 CredentialInjected(crew=crew.name, provider=provider.provider.value, host=host)
             )
-        return await self._relay_response(head, response, upstream)
+        return await self._relay_response(head, response, upstream, route_kind, host, port)
 
     async def _stream_body_upstream(
         self, reader: http1.BodyReader, upstream: UpstreamConnection
@@ -749,44 +799,115 @@ class ClientConnection:
             buffer += data
 
     async def _relay_response(
-        self, head: http1.RequestHead, response: http1.ResponseHead, upstream: UpstreamConnection
+        self,
+        head: http1.RequestHead,
+        response: http1.ResponseHead,
+        upstream: UpstreamConnection,
+        route_kind: str,
+        host: str,
+        port: int,
     ) -> bool:
+        """Relay the response, field lines and body through the scrubber.
+
+        A body of up to `WHOLE_BODY` bytes is read whole, scrubbed in one call and keeps its
+        Content-Length (corrected if a redaction changed it); any other body streams through a
+        scrubber stream and is re-framed as chunked (close-delimited for an HTTP/1.0 agent),
+        since its scrubbed length is not known in advance.
+        """
+        scrubber = self.runtime.scrubbers.current
         keep_client = head.keep_alive
         kind = response.body_kind
-        rechunk = kind is http1.BodyKind.CHUNKED or kind is http1.BodyKind.UNTIL_CLOSE
-        if rechunk and head.http_version != b"1.1":
-            rechunk = False
-            keep_client = False  # an HTTP/1.0 agent learns the end from the close
+        buffer = upstream.buffer
+        if kind is not http1.BodyKind.NONE and _CONTENT_ENCODING_RE.search(response.raw):
+            coding = unscrubbable_encoding(
+                [value for name, value in response.headers if name == b"content-encoding"]
+            )
+            if coding is not None:
+                self.upstream = None
+                upstream.close()
+                raise self._deny(
+                    route_kind,
+                    head.method,
+                    host,
+                    port,
+                    "unscrubbable_encoding",
+                    502,
+                    f"{host} answered with content-encoding {coding.decode('ascii', 'replace')}"
+                    " although the proxy asked for identity; the response cannot be checked "
+                    "for credentials, so it is not relayed",
+                    not keep_client,
+                )
+        if kind is http1.BodyKind.LENGTH and len(buffer) < response.content_length <= WHOLE_BODY:
+            # Small bodies are read whole and scrubbed in one call: they keep a Content-Length.
+            deadline = time.monotonic() + self.limits.read_timeout
+            while len(buffer) < response.content_length:
+                data = await self._receive(upstream.stream, Phase.RELAY, deadline)
+                if not data:
+                    self.upstream = None
+                    upstream.close()
+                    raise self._deny(
+                        route_kind,
+                        head.method,
+                        host,
+                        port,
+                        "upstream_closed",
+                        502,
+                        f"{host} closed the connection inside a response body",
+                        True,
+                    )
+                buffer += data
+        whole = kind is http1.BodyKind.LENGTH and len(buffer) == response.content_length
+        body = b""
+        drop = http1.RESPONSE_DROP
         extra = []
-        if rechunk:
-            extra.append((b"transfer-encoding", b"chunked"))
+        if whole:
+            body = bytes(buffer)
+            buffer.clear()
+            if body:
+                scrubbed = scrubber.scrub(body)
+                if scrubbed != body:
+                    drop = _RESPONSE_DROP_LENGTH
+                    extra.append((b"content-length", b"%d" % len(scrubbed)))
+                    body = scrubbed
+        streamed = kind is not http1.BodyKind.NONE and not whole
+        rechunk = streamed
+        if streamed:
+            drop = _RESPONSE_DROP_LENGTH
+            if head.http_version != b"1.1":
+                rechunk = False
+                keep_client = False  # an HTTP/1.0 agent learns the end from the close
+            else:
+                extra.append((b"transfer-encoding", b"chunked"))
         if not keep_client:
             extra.append((b"connection", b"close"))
-        fields = http1.relay_fields(response, http1.RESPONSE_DROP)
+        fields = http1.relay_fields(response, drop)
         if fields is not None:
             out = bytearray(b"HTTP/1.1 %d %s" % (response.status, response.reason))
-            out += fields
+            out += scrub_field_lines(scrubber, fields)
             for name, value in extra:
                 out += b"\r\n%s: %s" % (name, value)
             out += b"\r\n\r\n"
         else:
-            headers = http1.strip_hop_by_hop(response.headers)
+            headers = [
+                (name, scrubber.scrub(value))
+                for name, value in http1.strip_hop_by_hop(response.headers)
+                if not (drop is _RESPONSE_DROP_LENGTH and name == b"content-length")
+            ]
             headers.extend(extra)
             out = bytearray(
                 http1.serialize_response_head(response.status, response.reason, headers)
             )
         send_all = self.stream.send_all
-        stream = upstream.stream
-        buffer = upstream.buffer
         self.response_started = True
-        if kind is http1.BodyKind.LENGTH and len(buffer) == response.content_length:
-            # The common small response: the whole body came with the head, nothing after it.
-            out += buffer
-            buffer.clear()
+        if not streamed:
+            # No body, or the common small response: the whole body came with the head.
+            out += body
             await send_all(out)
             self.upstream = None
-            self._release_upstream(upstream, response.keep_alive)
+            self._release_upstream(upstream, response.keep_alive and not buffer)
             return keep_client
+        stream = upstream.stream
+        scrub = scrubber.stream()
         reader = http1.BodyReader.for_response(response, self.runtime.http_limits)
         piece = b""
         if buffer:
@@ -794,6 +915,12 @@ class ClientConnection:
             buffer.clear()
         read_timeout = self.limits.read_timeout
         while True:
+            if piece:
+                # An SSE event comes out with the read that completed it, unless its last
+                # bytes could begin a secret (native/scrub_reference.py: the hold-back rule).
+                piece = scrub.feed(piece)
+            if reader.done:
+                piece += scrub.flush()
             if piece:
                 out += http1.encode_chunk(piece) if rechunk else piece
             if reader.done:
@@ -916,12 +1043,17 @@ class _UpstreamClosedEarly(Exception):
     """The upstream closed before any byte of a response (a stale pooled connection)."""
 
 
-_REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect"})
+# Replaced by the proxy's own: the framing, and the codings the agent accepts (the proxy asks for
+# identity so that the scrubber reads the response body; see proxycore/scrubbing.py).
+_REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect", b"accept-encoding"})
 # After "http://": the authority runs to the first "/", "?" or "#"; the path and query run to
 # the fragment, which is dropped (RFC 9110 4.2.1: never sent to the origin).
 _ABSOLUTE_TARGET_RE = re.compile(rb"([^/?#]*)([^#]*)")
 _REQUEST_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING)
 _METHODS_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
+# A response whose body is re-framed drops the upstream's length (and never relays its framing).
+_RESPONSE_DROP_LENGTH = http1.compile_drop(http1.HOP_BY_HOP | {b"content-length"})
+_CONTENT_ENCODING_RE = re.compile(rb"(?i)\r\ncontent-encoding[ \t]*:")
 
 
 # -- listening --------------------------------------------------------------------------------
@@ -966,6 +1098,10 @@ async def serve(
 ) -> None:
     """Run the proxy until cancelled."""
     runtime = ProxyRuntime(config, sink)
+    if isinstance(sink, JsonLinesSink):
+        scrubbers = runtime.scrubbers
+        # Read at each write, so a credential added at run time is scrubbed from then on.
+        sink.scrub = lambda batch: scrub_json_lines(scrubbers.current, batch)
     if listeners is None:
         listeners = bind_listeners(config, reuse_port=config.listen.workers > 1)
     limits = config.limits

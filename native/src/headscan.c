@@ -58,6 +58,9 @@ static const struct {
     {"host", APX_F_HOST},
     {"content-length", APX_F_CONTENT_LENGTH},
     {"expect", APX_F_EXPECT},
+    /* Replaced by the proxy so that response bodies arrive as the scrubber can read them. */
+    {"accept-encoding", APX_F_ACCEPT_ENCODING},
+    {"content-encoding", APX_F_CONTENT_ENCODING},
 };
 #define HOP_BY_HOP_MASK 0x3ffu /* the first ten: proxycore.http1.HOP_BY_HOP */
 

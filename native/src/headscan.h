@@ -30,6 +30,8 @@
 #define APX_F_HOST (1u << 10)
 #define APX_F_CONTENT_LENGTH (1u << 11)
 #define APX_F_EXPECT (1u << 12)
+#define APX_F_ACCEPT_ENCODING (1u << 13)
+#define APX_F_CONTENT_ENCODING (1u << 14)
 
 /* What apx_scan_head writes to out[] for an accepted head. One flat array rather than a struct:
  * the Python side reads it back with a single ffi.unpack. */
