@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+import msgspec
 import trio
 
 from . import control, http1, tunnel
@@ -451,7 +452,7 @@ class ClientConnection:
             except _Refused as refused:
                 if self.response_started:
                     return None
-                data = refusal(refused.status, refused.body, close=refused.close)
+                data = refusal(refused.status, self._scrubbed(refused.body), close=refused.close)
                 if refused.close:
                     return data
                 await self.stream.send_all(data)
@@ -460,10 +461,17 @@ class ClientConnection:
                 if self.response_started:
                     return None
                 return refusal(
-                    exc.status_hint, Refusal(error="bad_request", message=str(exc)), close=True
+                    exc.status_hint,
+                    self._scrubbed(Refusal(error="bad_request", message=str(exc))),
+                    close=True,
                 )
             if not keep_alive:
                 return None
+
+    def _scrubbed(self, body: Refusal) -> Refusal:
+        """A refusal's message can quote an upstream or the agent's input: scrub it too."""
+        message = self.runtime.scrubbers.current.scrub_text(body.message)
+        return body if message == body.message else msgspec.structs.replace(body, message=message)
 
     async def dispatch(self, head: http1.RequestHead) -> bool:
         """Serve one request; returns whether the agent connection stays open."""
