@@ -1,10 +1,10 @@
 """Run the whole benchmark suite and write bench/results/latest.json plus markdown tables.
 
-Runs bench_forward.py, bench_capacity.py and bench_connect.py one after another (each as its own
-process, each command printed), gathers their JSON into bench/results/latest.json (a copy with the
-date in its name stays beside it) and prints every table as markdown, ready for
-docs/benchmarks.md. `--quick` shortens every run for a smoke test; its figures are not for the
-document.
+Runs bench_forward.py, bench_capacity.py, bench_connect.py and bench_scrub.py one after another
+(each as its own process, each command printed), gathers their JSON into
+bench/results/latest.json (a copy with the date in its name stays beside it) and prints every
+table as markdown, ready for docs/benchmarks.md. `--quick` shortens every run for a smoke test;
+its figures are not for the document.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_capacity
 import bench_connect
 import bench_forward
+import bench_scrub
 import common
 
 SUITES = {
     "forward": (bench_forward, "bench_forward.py"),
     "capacity": (bench_capacity, "bench_capacity.py"),
     "connect": (bench_connect, "bench_connect.py"),
+    "scrub": (bench_scrub, "bench_scrub.py"),
 }
 
 
@@ -37,6 +39,8 @@ def suite_arguments(name: str, args: argparse.Namespace) -> list[str]:
     if name == "connect":
         extra += ["--size", args.size, "--repeat", str(args.repeat)]
         return extra
+    if name == "scrub":  # in-process, no load generator: no --duration
+        return [*extra, "--repeat", str(args.repeat), *(["--quick"] if args.quick else [])]
     extra += ["--duration", f"{args.duration:g}", "--repeat", str(args.repeat)]
     if args.quick:
         extra += ["--warmup", "1"]
