@@ -7,4 +7,9 @@ reference implementations and says so at start (see native/README.md).
 
 from setuptools import setup
 
-setup(cffi_modules=["native/_build_headscan.py:ffibuilder"])
+setup(
+    cffi_modules=[
+        "native/_build_headscan.py:ffibuilder",
+        "native/_build_scrub.py:ffibuilder",
+    ]
+)

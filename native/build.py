@@ -15,7 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from native import _build_headscan
+from cffi import FFI
+
+from native import _build_headscan, _build_scrub
 
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZE = [
@@ -27,9 +29,16 @@ SANITIZE = [
 ]
 
 
-def build(out_dir: Path, extra_cflags: list[str] | None = None) -> Path:
-    """Compile every native module; the extension lands in out_dir/native/."""
-    ffi = _build_headscan.make_ffi(extra_cflags)
+# (module name, its build script): every native module.
+MODULES = (("_headscan", _build_headscan), ("_scrub", _build_scrub))
+
+
+def build(out_dir: Path, extra_cflags: list[str] | None = None) -> list[Path]:
+    """Compile every native module; the extensions land in out_dir/native/."""
+    return [_build_one(name, script.make_ffi(extra_cflags), out_dir) for name, script in MODULES]
+
+
+def _build_one(name: str, ffi: FFI, out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         cwd = os.getcwd()
         os.chdir(ROOT)
@@ -41,7 +50,7 @@ def build(out_dir: Path, extra_cflags: list[str] | None = None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         # One build per module: an older one under another suffix (an editable install
         # leaves `.abi3.so`) could shadow or be shadowed by this one.
-        for stale in target.parent.glob("_headscan.*so"):
+        for stale in target.parent.glob(f"{name}.*so"):
             stale.unlink()
         shutil.copy2(built, target)
     return target
@@ -54,11 +63,12 @@ def main() -> int:
     )
     args = parser.parse_args()
     try:
-        path = build(ROOT, SANITIZE if args.sanitize else None)
+        paths = build(ROOT, SANITIZE if args.sanitize else None)
     except Exception as exc:  # a compiler error: say so, the reference implementations remain
         print(f"native: build failed: {exc}", file=sys.stderr)
         return 1
-    print(f"native: built {path}")
+    for path in paths:
+        print(f"native: built {path}")
     return 0
 
 

@@ -1,0 +1,306 @@
+"""Typed wrapper over the C scrubber engine (`native/src/scrub.c`).
+
+`NativeTables(patterns)` compiles a `Patterns` into the C tables (immutable, shared by every
+stream and thread); `.stream()` gives a stream with the same contract as
+`scrub_reference.ReferenceStream` (`feed`, `flush`, `pending`), `.scrub(data)` scrubs a whole
+input. The output is byte for byte the reference's (`scrub_reference.scrub_whole`) for every
+input and chunking; see tests/test_native_scrub.py. `AVAILABLE` is False when the extension is
+not built, and `native.scrub` then uses the reference.
+
+Flattening: every byte string the engine needs (literal values, names, shape literals, class
+bitmaps, stops, suffixes) goes into one blob; the tables of int32 rows that index it are laid
+out in src/scrub.h. Every C return code other than SCRUB_OK raises `ScrubEngineError` (a stream
+fed after its flush raises `ScrubStateError`, also a ValueError like the reference's).
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from typing import Any
+
+from native.scrub_patterns import Patterns, Segment, SegmentKind
+
+try:
+    from native._scrub import ffi, lib
+
+    AVAILABLE = True
+    _feed = lib.scrub_feed
+    _unpack = ffi.unpack
+except ImportError:  # not built (no C compiler at install time): the reference serves
+    ffi = lib = _feed = _unpack = None
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "NativeStream", "NativeTables", "ScrubEngineError", "ScrubStateError"]
+
+_MESSAGES = {
+    -1: "out of memory",
+    -2: "the flattened patterns are inconsistent",
+    -3: "feed after flush",
+    -4: "the stream is in use by another thread",
+    -5: "a size does not fit the engine",
+    -6: "an earlier call on this stream failed",
+}
+
+
+class ScrubEngineError(RuntimeError):
+    """The C engine returned an error code; the message says which."""
+
+    def __init__(self, code: int, message: str | None = None) -> None:
+        self.code = code
+        super().__init__(message or f"scrub engine: {_MESSAGES.get(code, 'error')} ({code})")
+
+
+class ScrubStateError(ScrubEngineError, ValueError):
+    """A stream used after its flush (the reference raises ValueError for the same)."""
+
+
+def _raise(code: int, eof: int = 0) -> None:
+    if code == -3:
+        raise ScrubStateError(code, "flush twice" if eof else "feed after flush")
+    raise ScrubEngineError(code)
+
+
+def _bitmap(members: frozenset[int]) -> bytes:
+    bits = bytearray(32)
+    for b in members:
+        bits[b >> 3] |= 1 << (b & 7)
+    return bytes(bits)
+
+
+class _Flat:
+    """The patterns as one blob and int32 rows (see src/scrub.h)."""
+
+    def __init__(self, patterns: Patterns) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self._interned: dict[bytes, int] = {}
+        self._name_index: dict[bytes, int] = {}
+        self.names = array("i")
+        self.lits = array("i")
+        self.shapes = array("i")
+        self.segs = array("i")
+        self.sufs = array("i")
+        for literal in patterns.literals:
+            self.lits.extend(
+                (
+                    self.put(literal.value),
+                    len(literal.value),
+                    self.name(literal.name.encode()),
+                    int(literal.window),
+                )
+            )
+        for shape in patterns.shapes:
+            first = len(self.segs) // 11
+            for seg in shape.segments:
+                self._segment(seg)
+            not_after = self.put(_bitmap(shape.not_after)) if shape.not_after else -1
+            self.shapes.extend(
+                (
+                    first,
+                    len(shape.segments),
+                    shape.redact_from,
+                    shape.redact_to,
+                    shape.name_from,
+                    shape.optional_from,
+                    self.name(shape.name.encode()),
+                    not_after,
+                )
+            )
+
+    def _segment(self, seg: Segment) -> None:
+        kind = seg.kind
+        lit_off = lit_len = cls_off = stop_off = stop_len = 0
+        suf_first = len(self.sufs) // 2
+        if kind is SegmentKind.LITERAL:
+            lit_off, lit_len = self.put(seg.literal), len(seg.literal)
+        elif kind is SegmentKind.CLASS:
+            cls_off = self.put(_bitmap(seg.members))
+            stop_off, stop_len = self.put(seg.stop), len(seg.stop)
+            for suffix in seg.suffixes:
+                self.sufs.extend((self.put(suffix.lower()), len(suffix)))
+        self.segs.extend(
+            (
+                int(kind),
+                int(seg.fold_case),
+                lit_off,
+                lit_len,
+                cls_off,
+                seg.min,
+                seg.max,
+                stop_off,
+                stop_len,
+                suf_first,
+                len(self.sufs) // 2 - suf_first,
+            )
+        )
+
+    def put(self, data: bytes) -> int:
+        """Offset of data in the blob (equal byte strings are stored once)."""
+        offset = self._interned.get(data)
+        if offset is None:
+            offset = self.size
+            self._interned[data] = offset
+            self.parts.append(data)
+            self.size += len(data)
+        return offset
+
+    def name(self, name: bytes) -> int:
+        index = self._name_index.get(name)
+        if index is None:
+            index = len(self.names) // 2
+            self._name_index[name] = index
+            self.names.extend((self.put(name), len(name)))
+        return index
+
+    def blob(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def _int32s(rows: array[int]) -> Any:
+    return ffi.from_buffer("int32_t[]", rows) if rows else ffi.NULL
+
+
+class _Work(threading.local):
+    """One C work area per thread (scrub.h: a call's scratch and output), shared by every stream
+    and table set the thread uses, with the output slots of scrub_feed."""
+
+    def __init__(self) -> None:
+        out = ffi.new("scrub_work **")
+        code = lib.scrub_work_new(out)
+        if code:
+            _raise(code)
+        work = ffi.gc(out[0], lib.scrub_work_free)
+        span = ffi.new("size_t[2]")
+        self.slots = (work, ffi.new("const char **"), ffi.new("size_t *"), span, span + 1)
+
+
+_local_work: _Work | None = _Work() if AVAILABLE else None
+
+
+def _scrub_call(st: Any, data: bytes | bytearray | memoryview, eof: int) -> bytes:
+    assert _local_work is not None
+    work, out, out_len, start_p, end_p = _local_work.slots
+    buf = data if type(data) is bytes else ffi.from_buffer(data)
+    code = _feed(st, work, buf, len(buf), eof, out, out_len, start_p, end_p)
+    if code:
+        _raise(code, eof)
+    # The output: what the C wrote, then data[start:end] (the input after the last redaction,
+    # unchanged, which the C does not copy).
+    n = out_len[0]
+    start, end = start_p[0], end_p[0]
+    if start == end:
+        result: bytes = _unpack(out[0], n) if n else b""
+        return result
+    if n == 0:
+        if start == 0 and end == len(data) and type(data) is bytes:
+            return data
+        return bytes(memoryview(data)[start:end])
+    return b"".join((ffi.buffer(out[0], n), memoryview(data)[start:end]))
+
+
+def work_footprint() -> int:
+    """Bytes this thread's work area holds (its scratch and the last output)."""
+    assert _local_work is not None
+    return int(lib.scrub_work_footprint(_local_work.slots[0]))
+
+
+def _new_stream(tables: Any) -> Any:
+    out = ffi.new("scrub_stream **")
+    code = lib.scrub_stream_new(tables, out)
+    if code:
+        _raise(code)
+    return ffi.gc(out[0], lib.scrub_stream_free)
+
+
+class NativeTables:
+    """The C tables for a `Patterns`: immutable, shared by all streams and threads."""
+
+    __slots__ = ("__weakref__", "_local", "_tables", "patterns")
+
+    def __init__(self, patterns: Patterns, *, simd: bool = True) -> None:
+        """simd=False: the portable loops even on a CPU with AVX2 (the tests run both)."""
+        if not AVAILABLE:
+            raise ScrubEngineError(0, "scrub engine: the C extension is not built")
+        self.patterns = patterns
+        flat = _Flat(patterns)
+        blob = flat.blob()
+        out = ffi.new("scrub_tables **")
+        code = lib.scrub_tables_new(
+            blob,
+            len(blob),
+            _int32s(flat.names),
+            len(flat.names) // 2,
+            _int32s(flat.lits),
+            len(flat.lits) // 4,
+            _int32s(flat.shapes),
+            len(flat.shapes) // 8,
+            _int32s(flat.segs),
+            len(flat.segs) // 11,
+            _int32s(flat.sufs),
+            len(flat.sufs) // 2,
+            0 if simd else lib.SCRUB_NO_SIMD,
+            out,
+        )
+        if code:
+            _raise(code)
+        self._tables = ffi.gc(out[0], lib.scrub_tables_free)
+        # One reusable C stream per thread for scrub(). It is freed with this object and does
+        # not reference it back (no cycle).
+        self._local = threading.local()
+
+    @property
+    def footprint(self) -> int:
+        """Bytes the C tables take."""
+        return int(lib.scrub_tables_footprint(self._tables))
+
+    @property
+    def simd(self) -> bool:
+        """Whether the scan uses the AVX2 loops."""
+        return bool(lib.scrub_tables_simd(self._tables))
+
+    def stream(self) -> NativeStream:
+        return NativeStream(self)
+
+    def scrub(self, data: bytes) -> bytes:
+        """The scrubbed form of a complete input (`scrub_reference.scrub_whole`)."""
+        st = getattr(self._local, "stream", None)
+        if st is None:
+            st = self._local.stream = _new_stream(self._tables)
+        try:
+            return _scrub_call(st, data, 1)
+        finally:
+            lib.scrub_stream_reset(st)
+
+
+class NativeStream:
+    """One stream over shared `NativeTables`: feed chunks, then flush once. Not for concurrent
+    use by several threads (the engine refuses a second concurrent call)."""
+
+    __slots__ = ("_st", "_tables")
+
+    def __init__(self, tables: NativeTables) -> None:
+        self._tables = tables  # keeps the C tables alive as long as the stream
+        self._st = _new_stream(tables._tables)
+
+    @property
+    def pending(self) -> int:
+        """Input bytes held back, waiting to know whether they start a secret."""
+        return int(lib.scrub_stream_pending(self._st))
+
+    @property
+    def footprint(self) -> int:
+        """Bytes the C side of this stream holds (state and pending tail)."""
+        return int(lib.scrub_stream_footprint(self._st))
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Scrubbed output that is final now (possibly empty)."""
+        return _scrub_call(self._st, chunk, 0)
+
+    def flush(self) -> bytes:
+        """The rest, at the end of the stream; the stream takes no more input after it."""
+        return _scrub_call(self._st, b"", 1)
+
+    def flush_with(self, data: bytes) -> bytes:
+        """`feed(data) + flush()` in one call."""
+        return _scrub_call(self._st, data, 1)
