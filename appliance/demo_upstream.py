@@ -185,10 +185,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _echo(self, query: dict[str, list[str]]) -> None:
-        """`text` back as the body: `framing` length|chunked|close, in `pieces` writes `delay`
-        seconds apart, also in an `x-echo` field with `header=1`, gzip-encoded with
-        `encoding=gzip` (for the scrubber's tests: an upstream that echoes what it is given)."""
+        """`text` (+ `fill` x `repeat`) back as the body: `framing` length|chunked|close, in
+        `pieces` writes `delay` seconds apart, also in an `x-echo` field with `header=1`,
+        gzip-encoded with `encoding=gzip`. For the scrubber's tests: an upstream that echoes
+        what it is given."""
         text = query.get("text", [""])[0].encode("utf-8", "surrogateescape")
+        # `fill` repeated `repeat` times after `text`: bodies longer than a request line.
+        text += query.get("fill", [""])[0].encode() * int(query.get("repeat", ["0"])[0])
         framing = query.get("framing", ["length"])[0]
         pieces = max(1, int(query.get("pieces", ["1"])[0]))
         delay = float(query.get("delay", ["0"])[0])

@@ -19,6 +19,8 @@ import trio
 from native.scrub import Scrubber, ScrubStream
 
 READ_SIZE = 65536
+# A stream holds back at most its longest pattern plus the zero-width characters inside it.
+PENDING_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,10 @@ async def run_scrubbed(
         while data := await pipe.receive_some(READ_SIZE):
             if not capture.truncated:
                 capture.add(capture.stream.feed(bytes(data)))
+                if capture.stream.pending > max(max_output, PENDING_LIMIT):
+                    # Zero-width characters piled inside a would-be secret: stop, keep nothing
+                    # of what the stream holds.
+                    capture.truncated = True
 
     killed = False
     try:

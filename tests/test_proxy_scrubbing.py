@@ -189,6 +189,33 @@ def test_compressed_response_is_refused(proxy: RunningProxy, plain: FakeServer) 
     assert "content-encoding gzip" in refusal["message"]
 
 
+def test_endless_zero_width_characters_inside_a_key_end_the_response(
+    proxy: RunningProxy, plain: FakeServer
+) -> None:
+    # "sk-ant-" then 1.5 MB of U+200B: the stream can release nothing (the key may go on), so
+    # past its limit the proxy ends the response instead of holding more.
+    query = urllib.parse.urlencode(
+        {
+            "text": "sk-ant-",
+            "fill": "\u200b",
+            "repeat": "500000",
+            "framing": "chunked",
+            "pieces": "50",
+        }
+    )
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=20) as sock:
+        target = f"http://plain.test:{plain.port}/reflect?{query}"
+        sock.sendall(f"GET {target} HTTP/1.1\r\nhost: plain.test\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 200")
+    assert not data.endswith(b"0\r\n\r\n")  # no last chunk: the agent sees a cut response
+    assert len(data) < 100_000
+    denied = [e for e in proxy.events() if getattr(e, "rule", "") == "scrub_pending_limit"]
+    assert denied
+
+
 def test_sse_events_are_not_held_back(proxy: RunningProxy, plain: FakeServer) -> None:
     # Events 0.3 s apart: each must arrive with the read that completed it, not with the next.
     arrivals: list[float] = []
