@@ -5,7 +5,7 @@
  * fuzz/fuzz_scrub_differential.py, fuzz/fuzz_scrub_secret_sets.py). The patterns are compiled by
  * native/scrub_patterns.py and handed over flattened by the wrapper (native/scrub_native.py).
  *
- * Two objects:
+ * Three objects:
  * - scrub_tables: everything looked up while scanning, built once from the flattened patterns,
  *   immutable afterwards, so any number of streams in any number of threads share it;
  * - scrub_stream: one stream's state (its position, the pending tail of its input, per-shape
@@ -17,7 +17,9 @@
  * Nothing here keeps global mutable state. Every allocation is sized from the pattern set or
  * from the input of one call (scratch for a 64 KiB piece plus the pending tail, the output); a
  * failed allocation is SCRUB_ENOMEM, after which the stream refuses further input
- * (SCRUB_EFAILED).
+ * (SCRUB_EFAILED). The pending tail is what the reference holds back: at most
+ * Patterns.hold_bound bytes of skeleton, plus the zero-width characters among them (which the
+ * reference keeps to output them where they were, so their number is not bounded).
  *
  * Flattened pattern layout (all int32, offsets into one byte blob):
  *   names   [off, len]                               per name (literal and shape names)
