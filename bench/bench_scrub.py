@@ -1104,21 +1104,6 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def native_revision(source: Path) -> str:
-    def git(*argv: str) -> str:
-        out = subprocess.run(
-            ["git", "-C", str(source), *argv], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-
-    try:
-        commit = git("describe", "--always")
-        changed = git("status", "--porcelain", "--", "native")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{commit}+uncommitted" if changed else commit
-
-
 def describe(source: Path, engine: str, core: str | None) -> dict[str, Any]:
     hs_lib = "not available"
     try:
@@ -1139,7 +1124,7 @@ def describe(source: Path, engine: str, core: str | None) -> dict[str, Any]:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "source": str(source),
-        "revision": native_revision(source),
+        "revision": common.source_revision(source, ("native",)),
         "engine_files_sha256": engine_files,
         "engine": engine,
         "python": platform.python_version(),

@@ -258,8 +258,8 @@ http {{
 # --------------------------------------------------------------------------- our proxy
 
 
-def source_revision(source: Path) -> str:
-    """The commit of the tree under test, plus "+uncommitted" if its code has local changes."""
+def source_revision(source: Path, paths: Sequence[str] = ("proxycore", "appliance")) -> str:
+    """The commit of the tree under test, plus "+uncommitted" if `paths` have local changes."""
 
     def git(*argv: str) -> str:
         out = subprocess.run(
@@ -270,7 +270,7 @@ def source_revision(source: Path) -> str:
     try:
         commit = git("describe", "--always")
         # Untracked modules count too: `describe --dirty` would miss a new proxycore file.
-        changed = git("status", "--porcelain", "--", "proxycore", "appliance")
+        changed = git("status", "--porcelain", "--", *paths)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{commit}+uncommitted" if changed else commit
