@@ -533,6 +533,22 @@ class ClientConnection:
             close=close,
         )
 
+    def _upstream_failed(
+        self,
+        upstream: UpstreamConnection,
+        route: str,
+        method: bytes,
+        host: str,
+        port: int,
+        rule: str,
+        message: str,
+        close: bool,
+    ) -> _Refused:
+        """Close an upstream that cannot finish this exchange (never pooled) and say why: 502."""
+        upstream.close()
+        self.upstream = None
+        return self._deny(route, method, host, port, rule, 502, message, close)
+
     def check_name_policy(
         self, route: str, method: bytes, host: str, port: int, close: bool
     ) -> None:
@@ -736,15 +752,13 @@ class ClientConnection:
                     True,
                 ) from None
             except HttpProtocolError as exc:
-                upstream.close()
-                self.upstream = None
-                raise self._deny(
+                raise self._upstream_failed(
+                    upstream,
                     route_kind,
                     head.method,
                     host,
                     port,
                     "upstream_protocol_error",
-                    502,
                     f"{host} sent a malformed response: {exc}",
                     True,
                 ) from None
@@ -834,15 +848,13 @@ class ClientConnection:
                 [value for name, value in response.headers if name == b"content-encoding"]
             )
             if coding is not None:
-                self.upstream = None
-                upstream.close()
-                raise self._deny(
+                raise self._upstream_failed(
+                    upstream,
                     route_kind,
                     head.method,
                     host,
                     port,
                     "unscrubbable_encoding",
-                    502,
                     f"{host} answered with content-encoding {coding.decode('ascii', 'replace')}"
                     " although the proxy asked for identity; the response cannot be checked "
                     "for credentials, so it is not relayed",
@@ -854,15 +866,13 @@ class ClientConnection:
             while len(buffer) < response.content_length:
                 data = await self._receive(upstream.stream, Phase.RELAY, deadline)
                 if not data:
-                    self.upstream = None
-                    upstream.close()
-                    raise self._deny(
+                    raise self._upstream_failed(
+                        upstream,
                         route_kind,
                         head.method,
                         host,
                         port,
                         "upstream_closed",
-                        502,
                         f"{host} closed the connection inside a response body",
                         True,
                     )
@@ -933,15 +943,13 @@ class ClientConnection:
                 if scrub.pending > SCRUB_PENDING_LIMIT:
                     # Only zero-width characters piled inside a would-be secret grow a stream
                     # past its hold bound; end the response rather than the memory.
-                    self.upstream = None
-                    upstream.close()
-                    raise self._deny(
+                    raise self._upstream_failed(
+                        upstream,
                         route_kind,
                         head.method,
                         host,
                         port,
                         "scrub_pending_limit",
-                        502,
                         f"{host} sent a body the scrubber could not release",
                         True,
                     )
