@@ -66,7 +66,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 types: install
-	$(BIN)/mypy proxycore netns appliance
+	$(BIN)/mypy proxycore netns native appliance
 
 unit: install
 	$(BIN)/python -m pytest

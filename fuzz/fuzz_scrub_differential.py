@@ -7,7 +7,8 @@ Invariant, for a fixed small secret set plus the default shapes, on text built f
 input: the C engine's one-shot output and its streamed output (the input cut into chunks chosen
 by the input itself) are byte for byte `scrub_reference.scrub_whole`; every `feed` releases what
 `ReferenceStream.feed` releases and holds back as much (so the C never releases a byte the
-reference still holds); the held-back skeleton never exceeds `Patterns.hold_bound`; a stream
+reference still holds); the held-back skeleton never exceeds `Patterns.hold_bound`, the held
+bytes `Patterns.hold_bound_bytes` (zero-width characters capped to runs of two); a stream
 refuses input after its flush. (Feed by feed when the text is short or the chunks few: the
 reference stream rescans its pending text on every feed.)
 
@@ -191,13 +192,10 @@ def check(
                 f"feed at {pos}: {secrets!r} {text!r} {sizes!r}: released {mine!r} holding "
                 f"{stream.pending}, the reference {theirs!r} holding {ref and ref.pending}"
             )
-        held = text[pos - stream.pending : pos]
-        # (the skeleton is never longer than the raw bytes: split only when those are over)
-        if (
-            len(held) > patterns.hold_bound
-            and len(split(held, False).skeleton) > patterns.hold_bound
+        if stream.pending > patterns.hold_bound_bytes or (
+            ref and len(split(ref.held, False).skeleton) > patterns.hold_bound
         ):
-            raise Mismatch(f"holds {stream.pending} bytes, over hold_bound: {text!r}")
+            raise Mismatch(f"holds {stream.pending} bytes, over the hold bounds: {text!r}")
         out.append(mine)
     out.append(stream.flush())
     if (ref and ref.flush() != out[-1]) or b"".join(out) != want:

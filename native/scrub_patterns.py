@@ -41,6 +41,11 @@ MAX_SECRET_LEN = 64 * 1024
 # U+200B, U+200C, U+200D, U+2060, U+FEFF in UTF-8: invisible, so they are not allowed to hide a
 # secret or a shape. Matching runs on the text with them removed (the "skeleton").
 ZERO_WIDTH = (b"\xe2\x80\x8b", b"\xe2\x80\x8c", b"\xe2\x80\x8d", b"\xe2\x81\xa0", b"\xef\xbb\xbf")
+# A run of consecutive zero-width characters keeps its first ZW_RUN_MAX; the rest are dropped
+# from the output. Text needs no more (an emoji sequence has one joiner between two pictures),
+# and without a cap a would-be secret padded with millions of them would have to be held whole:
+# with it, a stream holds at most `Patterns.hold_bound_bytes`.
+ZW_RUN_MAX = 2
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:@/+-]{1,64}\Z")
 
 
@@ -351,6 +356,14 @@ class Patterns:
     def hold_bound(self) -> int:
         """The most skeleton bytes a stream ever holds back (a ZW char adds at most 2)."""
         return max(self.max_literal_len, self.max_shape_len, 1) - 1 + self.max_shape_len
+
+    @property
+    def hold_bound_bytes(self) -> int:
+        """The most raw bytes a stream ever holds back: the skeleton bound, each skeleton byte
+        with its run of zero-width characters before it, a run after the last one, and the start
+        of a zero-width character that the next chunk may complete."""
+        run = ZW_RUN_MAX * 3
+        return self.hold_bound * (1 + run) + run + 2
 
 
 def compile_patterns(

@@ -6,7 +6,9 @@ same bytes for every input, secret set and chunking, which the differential test
 
 Theory of operation
 -------------------
-1. Zero-width characters (`scrub_patterns.ZERO_WIDTH`) are taken out of the text; what remains is
+0. A run of zero-width characters (`scrub_patterns.ZERO_WIDTH`) keeps its first `ZW_RUN_MAX`
+   (`ZeroWidthCap`); this is what bounds what a stream holds back (`Patterns.hold_bound_bytes`).
+1. Zero-width characters are taken out of the text; what remains is
    the *skeleton*, and all matching happens on it. Each skeleton byte remembers the zero-width
    characters just before it, so text outside redactions comes out exactly as it came in.
 2. Matches on the skeleton, each a span `[start, end)` with a name and a priority (the pattern's
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from native.scrub_patterns import (
     WINDOW,
     ZERO_WIDTH,
+    ZW_RUN_MAX,
     Patterns,
     Segment,
     SegmentKind,
@@ -51,6 +54,62 @@ _ZW_FIRST = frozenset(zw[0] for zw in ZERO_WIDTH)
 
 def marker(name: bytes) -> bytes:
     return b"[REDACTED:" + name + b"]"
+
+
+# The starts of a zero-width character that the next chunk may complete (no zero-width character
+# ends in a byte that starts one, so these never overlap a complete one).
+_ZW_PARTIAL = frozenset({b"\xe2", b"\xef", b"\xe2\x80", b"\xe2\x81", b"\xef\xbb"})
+
+
+class ZeroWidthCap:
+    """Step 0 as a stream: runs of zero-width characters cut to their first `ZW_RUN_MAX`.
+
+    The text is read left to right, a zero-width character taken whole wherever its three bytes
+    are (as `split` does). The output does not depend on how the input was chunked: the length of
+    the run so far is carried over, and so is the start of a zero-width character cut by the end
+    of a chunk (at most two bytes)."""
+
+    __slots__ = ("_carry", "_run")
+
+    def __init__(self) -> None:
+        self._run = 0  # zero-width characters just output, since the last other byte
+        self._carry = b""
+
+    @property
+    def carried(self) -> int:
+        return len(self._carry)
+
+    def feed(self, chunk: bytes) -> bytes:
+        return self._cap(self._carry + chunk, eof=False)
+
+    def flush(self) -> bytes:
+        return self._cap(self._carry, eof=True)
+
+    def _cap(self, data: bytes, eof: bool) -> bytes:
+        self._carry = b""
+        if not eof:
+            for tail in (2, 1):
+                if len(data) >= tail and data[-tail:] in _ZW_PARTIAL:
+                    data, self._carry = data[:-tail], data[-tail:]
+                    break
+        out = bytearray()
+        i, n = 0, len(data)
+        while i < n:
+            if data[i] in _ZW_FIRST and data[i : i + 3] in ZERO_WIDTH:
+                if self._run < ZW_RUN_MAX:
+                    out += data[i : i + 3]
+                    self._run += 1
+                i += 3
+                continue
+            out.append(data[i])
+            self._run = 0
+            i += 1
+        return bytes(out)
+
+
+def cap_zero_width(data: bytes) -> bytes:
+    cap = ZeroWidthCap()
+    return cap.feed(data) + cap.flush()
 
 
 @dataclass(slots=True)
@@ -357,7 +416,7 @@ def render(
 
 def scrub_whole(tables: Tables, data: bytes) -> bytes:
     """The scrubbed form of a complete input: the definition every stream must agree with."""
-    parts = split(data, eof=True)
+    parts = split(cap_zero_width(data), eof=True)
     found = scan(tables, parts.skeleton, True, -1, [0] * len(tables.patterns.shapes))
     out, _ = render(parts, found.spans, len(parts.skeleton), 0, 0)
     return out + parts.trailing
@@ -368,7 +427,8 @@ class ReferenceStream:
 
     def __init__(self, tables: Tables) -> None:
         self._tables = tables
-        self._raw = b""  # pending input, not yet released
+        self._cap = ZeroWidthCap()
+        self._raw = b""  # pending input (after the cap), not yet released
         self._base = 0  # skeleton position of the first pending skeleton byte
         self._prev = -1  # the skeleton byte before it
         self._open_end = 0  # end of a redaction group that began in released output
@@ -377,17 +437,23 @@ class ReferenceStream:
 
     @property
     def pending(self) -> int:
-        return len(self._raw)
+        return len(self._raw) + self._cap.carried
+
+    @property
+    def held(self) -> bytes:
+        """The pending text after the zero-width cap (for tests: its skeleton is bounded)."""
+        return self._raw
 
     def feed(self, chunk: bytes) -> bytes:
         if self._flushed:
             raise ValueError("feed after flush")
-        self._raw += chunk
+        self._raw += self._cap.feed(chunk)
         return self._advance(eof=False)
 
     def flush(self) -> bytes:
         if self._flushed:
             raise ValueError("flush twice")
+        self._raw += self._cap.flush()
         out = self._advance(eof=True)
         self._flushed = True
         return out

@@ -88,9 +88,6 @@ LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
 # Response bodies up to this size are read whole before relaying, so they keep a Content-Length
 # after scrubbing; larger ones (and chunked, and SSE) stream through the scrubber.
 WHOLE_BODY = 64 * 1024
-# A scrubber stream holds back at most the longest pattern (~33 KiB with the default shapes) plus
-# the zero-width characters inside it, which an upstream could send without end.
-SCRUB_PENDING_LIMIT = 1 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -940,19 +937,6 @@ class ClientConnection:
                 # An SSE event comes out with the read that completed it, unless its last
                 # bytes could begin a secret (native/scrub_reference.py: the hold-back rule).
                 piece = scrub.feed(piece)
-                if scrub.pending > SCRUB_PENDING_LIMIT:
-                    # Only zero-width characters piled inside a would-be secret grow a stream
-                    # past its hold bound; end the response rather than the memory.
-                    raise self._upstream_failed(
-                        upstream,
-                        route_kind,
-                        head.method,
-                        host,
-                        port,
-                        "scrub_pending_limit",
-                        f"{host} sent a body the scrubber could not release",
-                        True,
-                    )
             if reader.done:
                 piece += scrub.flush()
             if piece:

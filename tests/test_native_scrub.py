@@ -360,20 +360,35 @@ def test_memory_per_stream_with_4096_secrets() -> None:
 
 
 @needs_native
-def test_zero_width_characters_are_held_with_what_they_follow() -> None:
-    # The reference keeps every zero-width character of the pending text, to output it where it
-    # was; the C engine must hold the same bytes (the skeleton stays within hold_bound).
-    tables = harness.engines((), True)[2]
+@BOTH
+def test_runs_of_zero_width_characters_are_capped_and_held_with_what_they_follow(
+    simd: bool,
+) -> None:
+    # A run keeps its first two zero-width characters (the rest are dropped), so a would-be
+    # secret padded with them is held within Patterns.hold_bound_bytes.
+    tables = harness.engines((), simd)[2]
     stream = tables.stream()
     assert stream.feed(b"ok sk-ant-") == b"ok "
     assert stream.feed(ZERO_WIDTH[0] * 1000) == b""
-    assert stream.pending == len(b"sk-ant-") + 3000
-    assert stream.feed(b" no") == b"sk-ant-" + ZERO_WIDTH[0] * 1000 + b" no"
-    # A long held tail followed by large chunks.
+    assert stream.pending == len(b"sk-ant-") + 6
+    assert stream.feed(b"\xe2") == b""  # may start a zero-width character: carried
+    assert stream.pending == len(b"sk-ant-") + 7
+    assert stream.feed(b"\x80\x8b no") == b"sk-ant-" + ZERO_WIDTH[0] * 2 + b" no"
+    # Chunk boundaries anywhere in and around long runs and cut characters.
     text = b"x sk-ant-" + ZERO_WIDTH[1] * 50_000 + b"abc" * 40_000 + b" " + KEY + b" y"
-    want = scrub_whole(harness.engines((), True)[1], text)
-    assert streamed(tables, text, [9, 150_000, 100_000]) == want
-    assert streamed(tables, text, [9, 1000, 300_000]) == want
+    text += (ZERO_WIDTH[4] * 3 + b"\xe2\x80" + ZERO_WIDTH[3] * 4 + "\u2014".encode()) * 500
+    want = scrub_whole(harness.engines((), simd)[1], text)
+    assert ZERO_WIDTH[1] * 3 not in want and len(want) < len(text) - 100_000
+    assert tables.scrub(text) == want
+    for sizes in ([9, 150_000, 100_000], [9, 1000, 300_000], [1] * 2000 + [len(text)]):
+        assert streamed(tables, text, sizes) == want
+    rng = random.Random(5)
+    assert streamed(tables, text, [rng.randint(1, 7) for _ in range(len(text) // 3)]) == want
+    # Padded with a million: held within the bound, not a million.
+    stream = tables.stream()
+    stream.feed(b"sk-ant-api03-" + ZERO_WIDTH[2] * 1_000_000)
+    patterns = harness.engines((), simd)[0]
+    assert stream.pending <= patterns.hold_bound_bytes and stream.footprint < 64 * 1024
 
 
 # The stream's contract.

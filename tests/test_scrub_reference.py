@@ -28,7 +28,13 @@ from native.scrub_patterns import (
     lit,
     token_shape,
 )
-from native.scrub_reference import ReferenceStream, Tables, scrub_whole
+from native.scrub_reference import (
+    ReferenceStream,
+    Tables,
+    ZeroWidthCap,
+    cap_zero_width,
+    scrub_whole,
+)
 from proxycore.scrubbing import scrub_field_lines, scrub_json_lines, unscrubbable_encoding
 
 KEY = b"sk-ant-api03-Zx8Qw2Lm4Np6Rt1Vb3Yc5Hd7Jf9Kg0Ps2Uq4Wo6Ei8"
@@ -226,6 +232,40 @@ def test_chunking_never_changes_the_output(parts: list[bytes], cuts: list[int]) 
         assert runs_of(secret, whole) == []
 
 
+def test_runs_of_zero_width_characters_keep_their_first_two() -> None:
+    zw = [c.encode() for c in ZW]
+    assert cap_zero_width(b"a" + zw[0] * 5 + b"b" + zw[1] + zw[4] + zw[3] + b"c") == (
+        b"a" + zw[0] * 2 + b"b" + zw[1] + zw[4] + b"c"
+    )
+    # a byte that only starts one (a cut character, another 3-byte character) ends the run
+    assert (
+        cap_zero_width(zw[0] * 3 + b"\xe2\x80" + zw[2] * 3) == zw[0] * 2 + b"\xe2\x80" + zw[2] * 2
+    )
+    assert cap_zero_width("—".encode() + zw[3] * 3) == "—".encode() + zw[3] * 2
+    # however the input is cut: the run and a cut character are carried over
+    text = b"x" + zw[0] + zw[4] * 4 + b"\xe2" + zw[1] * 3 + b"\xef\xbb" + b"y"
+    want = cap_zero_width(text)
+    for cut in range(len(text) + 1):
+        cap = ZeroWidthCap()
+        assert cap.feed(text[:cut]) + cap.feed(text[cut:]) + cap.flush() == want
+    cap = ZeroWidthCap()
+    assert b"".join(cap.feed(text[i : i + 1]) for i in range(len(text))) + cap.flush() == want
+
+
+def test_padding_a_secret_with_zero_width_characters_neither_hides_it_nor_grows_the_stream() -> (
+    None
+):
+    zw = ZW[0].encode()
+    padded = zw.join(KEY[i : i + 1] for i in range(len(KEY)))
+    stream = ReferenceStream(TABLES)
+    # a thousand zero-width characters before every byte of a would-be secret: two are kept
+    out = stream.feed(b"ok " + KEY[:20].replace(b"", zw * 1000)[: -len(zw) * 1000])
+    assert (out, stream.pending) == (b"ok ", 20 * (1 + 2 * len(zw)))
+    out += stream.feed(b"x" + zw * 100_000 + padded + b" done") + stream.flush()
+    # (the two before the group stay where they were, those inside go with it)
+    assert out == b"ok " + zw * 2 + b"[REDACTED:anthropic] done"
+
+
 def test_one_byte_at_a_time_and_pending_is_bounded() -> None:
     data = b"x" * 50 + KEY + b" " + PEM + b" " + base64.b64encode(DB) + b" end"
     stream = ReferenceStream(TABLES)
@@ -233,7 +273,7 @@ def test_one_byte_at_a_time_and_pending_is_bounded() -> None:
     bound = TABLES.patterns.hold_bound
     for i in range(len(data)):
         out += stream.feed(data[i : i + 1])
-        assert stream.pending <= bound
+        assert stream.pending <= bound <= TABLES.patterns.hold_bound_bytes
         # Never a prefix of a secret that a later byte completes: 8 bytes of KEY never appear.
         assert runs_of(KEY, out) == []
     assert out + stream.flush() == scrub(data)

@@ -45,6 +45,7 @@
 #define NO_MATCH (-1)
 #define NEED_MORE (-2)
 #define WINDOW 8
+#define ZW_RUN_MAX 2 /* scrub_patterns.ZW_RUN_MAX */
 #define PIECE ((size_t)64 * 1024)   /* new input bytes per advance */
 #define FIRST_MIN ((size_t)512)     /* ... when the pending tail has to be copied in front */
 #define DEFER_MIN ((size_t)8192)     /* shorter unchanged tails are copied into the output */
@@ -859,6 +860,11 @@ struct scrub_stream {
     int64_t *next_allowed;
     uint8_t *pend;
     size_t pend_len, pend_cap;
+    /* the zero-width cap (cap_zero_width): the length of the run of zero-width characters last
+     * let through, and the start of one cut by the end of the last input */
+    int zw_run;
+    uint8_t zw_carry[2];
+    size_t zw_carry_len;
 };
 
 int scrub_stream_new(const scrub_tables *t, scrub_stream **out) {
@@ -891,6 +897,8 @@ void scrub_stream_reset(scrub_stream *st) {
     st->base = st->open_end = 0;
     memset(st->next_allowed, 0, (st->t->nshapes ? st->t->nshapes : 1) * sizeof(int64_t));
     st->pend_len = 0;
+    st->zw_run = 0;
+    st->zw_carry_len = 0;
     if (st->pend_cap > PEND_KEEP) {
         free(st->pend);
         st->pend = NULL;
@@ -899,7 +907,7 @@ void scrub_stream_reset(scrub_stream *st) {
     atomic_store(&st->busy, 0);
 }
 
-size_t scrub_stream_pending(const scrub_stream *st) { return st->pend_len; }
+size_t scrub_stream_pending(const scrub_stream *st) { return st->pend_len + st->zw_carry_len; }
 
 size_t scrub_stream_footprint(const scrub_stream *st) {
     return sizeof(*st) + (st->t->nshapes ? st->t->nshapes : 1) * sizeof(int64_t) + st->pend_cap;
@@ -954,6 +962,8 @@ struct scrub_work {
                       zero-width characters */
     uint32_t *soff;
     size_t zcap;
+    uint8_t *capped; /* the input after the zero-width cap, when the cap changed it */
+    size_t capped_cap;
 };
 
 typedef struct {
@@ -983,6 +993,9 @@ static void work_release(scrub_work *w) {
     free(w->bounds);
     free(w->skel);
     free(w->soff);
+    free(w->capped);
+    w->capped = NULL;
+    w->capped_cap = 0;
     w->out = w->skel = w->stopped = NULL;
     w->recs = NULL;
     w->ms = NULL;
@@ -1007,7 +1020,7 @@ void scrub_work_trim(scrub_work *w) {
 size_t scrub_work_footprint(const scrub_work *w) {
     return sizeof(*w) + w->out_cap + w->rcap * sizeof(rec_t) + w->mcap * sizeof(smatch_t) +
            w->scap * (sizeof(int64_t) + 1) + w->bcap * 2 * sizeof(int64_t) +
-           w->zcap * (1 + sizeof(uint32_t));
+           w->zcap * (1 + sizeof(uint32_t)) + w->capped_cap;
 }
 
 /* Per-shape arrays for these tables; the output buffer emptied (and given back when the last
@@ -1743,6 +1756,73 @@ static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t 
 #undef SOFF
 }
 
+/* How many bytes at the end of p[0:n] start a zero-width character that more input may complete
+ * (0, 1 or 2). No zero-width character ends in 0xE2 / 0xEF / 0x80 / 0x81 / 0xBB, so such a start
+ * is never the end of a complete one. */
+static size_t zw_partial_tail(const uint8_t *p, size_t n) {
+    if (n >= 2) {
+        uint8_t b = p[n - 2], a = p[n - 1];
+        if ((b == 0xE2 && (a == 0x80 || a == 0x81)) || (b == 0xEF && a == 0xBB)) return 2;
+    }
+    if (n >= 1 && (p[n - 1] == 0xE2 || p[n - 1] == 0xEF)) return 1;
+    return 0;
+}
+
+/* The reference's ZeroWidthCap: a run of zero-width characters keeps its first ZW_RUN_MAX.
+ * Leaves *in / *len alone when the cap changes nothing (no zero-width character, nothing carried,
+ * no start of one at the end: nearly every input); otherwise points them at w->capped, which
+ * holds the carried bytes, then the input, with the extra characters of long runs taken out, and
+ * the start of a cut character at the end carried to the next call. */
+static int zw_cap(scrub_stream *st, scrub_work *w, const uint8_t **in, size_t *len, int eof) {
+    const uint8_t *p = *in;
+    size_t n = *len;
+    if (!st->zw_carry_len && (eof || !zw_partial_tail(p, n))) {
+#if defined(SCRUB_AVX2)
+        size_t z = st->t->simd ? find_zw_avx2(p, n) : find_zw(p, n);
+#else
+        size_t z = find_zw(p, n);
+#endif
+        if (z == n) {
+            if (n) st->zw_run = 0;
+            return SCRUB_OK;
+        }
+    }
+    size_t m = st->zw_carry_len + n;
+    if (m < n) return SCRUB_ETOOBIG;
+    if (m > w->capped_cap || (w->capped_cap > WORK_KEEP && w->capped_cap / 4 > m)) {
+        uint8_t *b = malloc(m);
+        if (!b) return SCRUB_ENOMEM;
+        free(w->capped);
+        w->capped = b;
+        w->capped_cap = m;
+    }
+    uint8_t *b = w->capped;
+    memcpy(b, st->zw_carry, st->zw_carry_len);
+    if (n) memcpy(b + st->zw_carry_len, p, n);
+    size_t tail = eof ? 0 : zw_partial_tail(b, m);
+    size_t end = m - tail, o = 0;
+    int run = st->zw_run;
+    for (size_t i = 0; i < end;) {
+        if ((b[i] == 0xE2 || b[i] == 0xEF) && i + 3 <= end && is_zw(b + i)) {
+            if (run < ZW_RUN_MAX) {
+                memmove(b + o, b + i, 3);
+                o += 3;
+                run++;
+            }
+            i += 3;
+            continue;
+        }
+        b[o++] = b[i++];
+        run = 0;
+    }
+    st->zw_run = run;
+    memcpy(st->zw_carry, b + end, tail);
+    st->zw_carry_len = tail;
+    *in = b;
+    *len = o;
+    return SCRUB_OK;
+}
+
 int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int eof,
                const char **out, size_t *out_len, size_t *in_from, size_t *in_to) {
     *out = NULL;
@@ -1763,8 +1843,11 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
         rc = SCRUB_EFLUSHED;
         goto done;
     }
-    if ((rc = work_prepare(w, st->t, in, len))) goto fail;
     if (len == 0 && !eof) goto done;
+    const uint8_t *given = in;
+    if ((rc = zw_cap(st, w, &in, &len, eof))) goto fail;
+    if ((rc = work_prepare(w, st->t, in, len))) goto fail;
+    if (len == 0 && !eof) goto done; /* all of it carried */
     if (st->pend_len == 0 && len == 0) {
         st->flushed = 1;
         goto done;
@@ -1843,7 +1926,8 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
         }
     }
     /* a short deferred range is cheaper to copy here than to join in the caller */
-    if (w->d_to - w->d_from < DEFER_MIN && (rc = settle(w))) goto fail;
+    /* the caller can take a deferred range from its own input only if that is what was scanned */
+    if ((in != given || w->d_to - w->d_from < DEFER_MIN) && (rc = settle(w))) goto fail;
     *out = (const char *)w->out;
     *out_len = w->out_len;
     *in_from = w->d_from;

@@ -18,8 +18,9 @@
  * from the input of one call (scratch for a 64 KiB piece plus the pending tail, the output); a
  * failed allocation is SCRUB_ENOMEM, after which the stream refuses further input
  * (SCRUB_EFAILED). The pending tail is what the reference holds back: at most
- * Patterns.hold_bound bytes of skeleton, plus the zero-width characters among them (which the
- * reference keeps to output them where they were, so their number is not bounded).
+ * Patterns.hold_bound bytes of skeleton, each with the (at most ZW_RUN_MAX = 2) zero-width
+ * characters before it, plus the start of a zero-width character cut by the end of the input:
+ * Patterns.hold_bound_bytes in all.
  *
  * Flattened pattern layout (all int32, offsets into one byte blob):
  *   names   [off, len]                               per name (literal and shape names)
