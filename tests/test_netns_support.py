@@ -358,6 +358,8 @@ class Lab:
     namespaces: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
     listener: Listener = field(default_factory=Listener)
+    # iptables rules added for the lab's own wires (removed at cleanup): see `wire`.
+    forward_rules: list[list[str]] = field(default_factory=list)
     # The proxy stand-in's port (the crews' only allowed port) and another port on the host.
     port: int = 0
     other_port: int = 0
@@ -397,6 +399,15 @@ class Lab:
         # (net/ipv4/route.c, ip_route_input_slow), so this routes the lab's own traffic
         # without turning on forwarding for the host's real interfaces.
         set_sysctl(f"net.ipv4.conf.{host_end}.forwarding", "1")
+        # A Docker engine on the host sets the iptables FORWARD policy to DROP, which would stop
+        # the lab's stand-in traffic before our table sees it. Let the lab's own wires through
+        # that chain; a crew's traffic still meets the appliance's table, whose drop is final
+        # whatever another table accepts (each base chain's verdict stands on its own).
+        if _forward_policy_drops():
+            for direction in ("-i", "-o"):
+                rule = ["FORWARD", direction, host_end, "-j", "ACCEPT"]
+                sh("iptables", "-w", "-I", *rule)
+                self.forward_rules.append(rule)
         return name
 
     def cleanup(self) -> None:
@@ -410,6 +421,15 @@ class Lab:
             if name.startswith(self.prefix):
                 sh("ip", "link", "del", name, check=False)
         sh("nft", "delete", "table", "inet", self.table, check=False)
+        for rule in self.forward_rules:
+            sh("iptables", "-w", "-D", *rule, check=False)
+
+
+def _forward_policy_drops() -> bool:
+    if shutil.which("iptables") is None:
+        return False
+    out = sh("iptables", "-w", "-S", "FORWARD", check=False).stdout
+    return "-P FORWARD DROP" in out
 
 
 def _host_routes_any(networks: list[str]) -> list[str]:
