@@ -262,7 +262,9 @@ class DockerProvider:
                     mem_limit=INFRA_MEMORY_BYTES,
                     memswap_limit=INFRA_MEMORY_BYTES,
                     nano_cpus=INFRA_NANO_CPUS,
-                    init=True,
+                    # No init: nothing runs in it but the sleep (no orphans to reap), and without
+                    # one a missing program fails the start itself, not a moment later.
+                    init=False,
                     restart_policy={"Name": "no"},
                     log_config={"Type": "none", "Config": {}},
                 ),

@@ -38,7 +38,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import docker
@@ -110,6 +110,7 @@ def detect_engine(
     *,
     env: Mapping[str, str] | None = None,
     timeout: float = PING_TIMEOUT,
+    candidates: Sequence[tuple[str, str]] | None = None,
 ) -> tuple[docker.DockerClient, EngineReport]:
     """Connect to the engine (the module's docstring says in which order); EngineUnavailable."""
     env = os.environ if env is None else env
@@ -125,7 +126,8 @@ def detect_engine(
             )
         return client, _answered(report, attempt, client)
     attempts: list[EngineAttempt] = []
-    for source, path in candidate_sockets(env):
+    # `candidates` replaces the well-known list (tests; a doctor probing one path).
+    for source, path in candidate_sockets(env) if candidates is None else candidates:
         if source == "containerd":
             attempts.append(_containerd_attempt(path))
             continue
