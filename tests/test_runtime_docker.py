@@ -636,3 +636,20 @@ def test_runsc_processes_are_tied_to_their_container(provider, image, crew) -> N
     while any(p.container_id == agent for p in runtime_processes()):
         assert time.monotonic() < deadline, "runsc processes outlived their container"
         time.sleep(0.1)
+
+
+def test_register_runsc_keeps_the_rest_of_daemon_json(tmp_path: Path) -> None:
+    import json
+
+    from appliance.runtime.engine import RUNSC_RUNTIME, register_runsc
+
+    daemon_json = tmp_path / "daemon.json"
+    daemon_json.write_text(json.dumps({"log-level": "warn", "runtimes": {"other": {"path": "x"}}}))
+    assert register_runsc(daemon_json) is True
+    config = json.loads(daemon_json.read_text())
+    assert config["log-level"] == "warn" and config["runtimes"]["other"] == {"path": "x"}
+    assert config["runtimes"]["runsc"] == RUNSC_RUNTIME
+    assert RUNSC_RUNTIME["runtimeArgs"] == ["--network=host"]
+    assert register_runsc(daemon_json) is False  # already there: untouched
+    missing = tmp_path / "new" / "daemon.json"
+    assert register_runsc(missing) is True and "runsc" in missing.read_text()
