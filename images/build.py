@@ -166,7 +166,10 @@ class ClaudeCodePin:
 
     package: str = "@anthropic-ai/claude-code-linux-x64"
     version: str = "2.1.330"
-    integrity: str = "sha512-9Gn+V7DtJ8M1nztP9CeDVl9g3RtrepI7rOFTyPRRnZe8D6zebIHKmC7OvBauucuAP0X0k85SDN/LPVZyjsGezQ=="
+    integrity: str = (
+        "sha512-9Gn+V7DtJ8M1nztP9CeDVl9g3RtrepI7rOFTyPRRnZe8D6zebIHKmC7O"
+        "vBauucuAP0X0k85SDN/LPVZyjsGezQ=="
+    )
     # The member of the package tarball that is the program.
     member: str = "package/claude"
 
@@ -527,7 +530,7 @@ class _Builder:
         self.log(f"debootstrap --variant={recipe.variant} {recipe.suite} (about 25-45 s)")
         _run(
             "debootstrap", argv, log_file=self.log_file, timeout=NETWORK_STEP_TIMEOUT,
-            hint="is Debian's package archive reachable? see the log above",
+            hint="is Debian's package archive reachable?",
         )  # fmt: skip
         self._prune("debootstrap-")
         target.rename(final)
