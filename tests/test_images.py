@@ -36,6 +36,7 @@ from images.build import (
     ensure_images,
     image_tag,
     image_tags,
+    prune_images,
     recipe_hashes,
 )
 
@@ -222,6 +223,27 @@ def test_changed_infra_recipe_builds_a_new_image(images: ImageSet, tmp_path: Pat
         assert not again["infra"].built
     finally:
         docker("image", "rm", "--force", tag, check=False)
+
+
+def test_prune_untags_older_images_but_not_one_in_use(images: ImageSet, tmp_path: Path) -> None:
+    old_recipes = [
+        Recipes(infra=InfraRecipe(cflags=(*InfraRecipe().cflags, f"-DTEST_PRUNE_{n}")))
+        for n in (1, 2)
+    ]
+    old_tags = [image_tag("infra", recipe_hashes(r)["infra"]) for r in old_recipes]
+    container = f"test-images-prune-{os.getpid()}"
+    try:
+        for recipes in old_recipes:
+            build_images(["infra"], recipes=recipes, cache_dir=tmp_path, log=lambda _: None)
+        docker("create", "--name", container, old_tags[1])
+        removed, kept = prune_images()
+        assert old_tags[0] in removed and not image_exists(old_tags[0])
+        assert old_tags[1] in kept and image_exists(old_tags[1])
+        assert all(image_exists(tag) for tag in dataclasses.asdict(images).values())
+    finally:
+        docker("rm", "--force", container, check=False)
+        for tag in old_tags:
+            docker("image", "rm", "--force", tag, check=False)
 
 
 def test_a_failed_build_names_its_step_and_tags_nothing(tmp_path: Path) -> None:
