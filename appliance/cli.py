@@ -7,7 +7,6 @@ configuration (the message names the key or argument). Every command takes `--js
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -77,11 +76,18 @@ def run_proxy_worker(
         if control_channel is not None:
             channel = trio.SocketStream(trio.socket.from_stdlib_socket(control_channel))
         async with trio.open_nursery() as nursery:
-            await nursery.start(
-                functools.partial(serve, control_channel=channel),
-                config,
-                make_sink(config, worker),
-            )
+
+            async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
+                # serve() returns when its control channel closes (the parent is gone).
+                await serve(
+                    config,
+                    make_sink(config, worker),
+                    control_channel=channel,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()
+
+            await nursery.start(serve_then_stop)
             where = ", ".join(
                 f"{address}:{config.listen.port}"
                 for address in dict.fromkeys(
@@ -108,9 +114,27 @@ def run_proxy_worker(
     trio.run(main)
 
 
+def _load_proxy_config(path: str) -> ProxyConfig:
+    """TOML, or JSON for a file applianced generated (the same Struct tree, same checks)."""
+    if not path.endswith(".json"):
+        return load_config(path)
+    import msgspec
+
+    try:
+        config = msgspec.json.decode(Path(path).read_bytes(), type=ProxyConfig)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    validate(config, source=path)
+    return config
+
+
 def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
     try:
-        config = load_config(args.config)
+        config = _load_proxy_config(args.config)
         warnings = validate(config, source=args.config)
     except ConfigError as exc:
         return out.error(str(exc), EXIT_USAGE)
@@ -127,6 +151,17 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
         out.result(f"{args.config}: ok", {"ok": True, "warnings": warnings})
         return EXIT_OK
     try:
+        if args.control_fd is not None:
+            # A child of applianced: policy, crews and their listening sockets arrive over this
+            # socketpair; the proxy stops when applianced closes it.
+            if workers != 1:
+                return out.error("argument --control-fd: needs a single worker", EXIT_USAGE)
+            try:
+                channel = socket.socket(fileno=args.control_fd)
+            except OSError as exc:
+                return out.error(f"argument --control-fd: {exc.strerror}", EXIT_USAGE)
+            run_proxy_worker(config, 0, control_channel=channel)
+            return EXIT_OK
         if workers == 1:
             # Bind before announcing readiness so a caller that sees "listening" can connect.
             run_proxy_worker(config, 0)
@@ -240,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--config", required=True, help="TOML configuration file")
     proxy.add_argument("--workers", type=int, default=0, help="worker processes (SO_REUSEPORT)")
     proxy.add_argument("--check", action="store_true", help="validate the config and exit")
+    proxy.add_argument(
+        "--control-fd",
+        type=int,
+        default=None,
+        help="a socketpair end inherited from applianced: control messages and crew listeners",
+    )
     proxy.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
