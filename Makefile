@@ -16,7 +16,7 @@ NATIVE_SRC := $(wildcard native/src/*.c native/src/*.h) native/_build_headscan.p
 	native/_build_scrub.py
 NATIVE_LIB := native/.built
 
-.PHONY: demo test install native native-sanitize lint types unit fuzz-smoke bench clean
+.PHONY: demo images test install native native-sanitize lint types unit fuzz-smoke bench clean
 
 install: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -32,7 +32,12 @@ $(NATIVE_LIB): $(VENV)/.installed $(NATIVE_SRC)
 	$(BIN)/python -m native.build
 	touch $@
 
-demo: install
+# The base, infra and agent images, built locally (debootstrap, npm, docker import); a tag that
+# already exists for the recipe's hash is a cache hit. See images/README.md.
+images: install
+	$(BIN)/python -m images.build
+
+demo: install images
 	$(BIN)/appliancectl demo
 
 test: install lint types unit fuzz-smoke native-sanitize
@@ -66,7 +71,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 types: install
-	$(BIN)/mypy proxycore netns appliance
+	$(BIN)/mypy proxycore netns appliance images
 
 unit: install
 	$(BIN)/python -m pytest
