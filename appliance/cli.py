@@ -527,8 +527,6 @@ def cmd_run(args: argparse.Namespace, out: _Output) -> int:
     from appliance.daemon.client import AdminClient, AdminError, Unreachable
 
     argv = list(args.argv)
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
     if not argv:
         return out.error("argument CMD: give the command after --", EXIT_USAGE)
     client = AdminClient(_socket_path(args), timeout=None)
@@ -634,7 +632,9 @@ def _add_admin_parsers(commands: Any) -> None:
     run = leaf(commands.add_parser("run", help="run a command in a crew's agent container"))
     run.add_argument("--timeout", type=float, help="seconds, then the command is killed (exit 124)")
     run.add_argument("name")
-    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD")
+    # Everything after the first "--" is the command (split off in main(), so that options
+    # may come before or after NAME).
+    run.add_argument("argv", nargs="*", metavar="-- CMD")
     run.set_defaults(func=cmd_run)
 
     net = commands.add_parser("net", help="the crews' networks")
@@ -716,7 +716,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "run" in arguments and "--" in arguments[arguments.index("run") :]:
+        split = arguments.index("--", arguments.index("run"))
+        arguments, command = arguments[:split], arguments[split + 1 :]
+    args = parser.parse_args(arguments)
+    if args.command == "run":
+        args.argv = [*args.argv, *command]
     if args.command == "proxy" and args.workers < 0:
         parser.error("argument --workers: must be >= 1")
     out = _Output(args.json)

@@ -96,7 +96,9 @@ def test_crew_added_and_removed_over_the_channel(
 
         # A duplicate name or gateway is refused, and its listener is not adopted.
         again = listening("127.0.0.24", port)
-        dup = request(ours, control.CrewAdd(name="alpha", gateway="127.0.0.24", listener=True), again)
+        dup = request(
+            ours, control.CrewAdd(name="alpha", gateway="127.0.0.24", listener=True), again
+        )
         again.close()
         assert not dup["ok"] and "already served" in dup["error"]
         assert curl(f"http://127.0.0.24:{port}/health").returncode != 0

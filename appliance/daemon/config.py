@@ -64,6 +64,11 @@ class ImagesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CrewsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Every crew name must start with this. Containers of crews whose names do not are not this
+    # applianced's (it never adopts or removes them): two instances on one host (a test
+    # instance beside a real one) partition the names, as netns's table and interface prefix
+    # partition the kernel objects.
+    name_prefix: str = ""
     default_runtime: str = "runc"
     default_memory_bytes: int = 512 * MIB
     min_memory_bytes: int = 64 * MIB

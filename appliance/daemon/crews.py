@@ -34,6 +34,7 @@ serializes the operations that change crews, so two `create`s of one name cannot
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -101,8 +102,10 @@ def agent_environment(config: ApplianceConfig, gateway: str) -> dict[str, str]:
         "HTTPS_PROXY": base,
         "http_proxy": base,
         "https_proxy": base,
-        "NO_PROXY": "localhost,127.0.0.1",
-        "no_proxy": "localhost,127.0.0.1",
+        # The gateway too: the base URLs below point at the proxy itself, and a client that
+        # honours HTTP_PROXY (httpx, curl) must not send them to the proxy as forward requests.
+        "NO_PROXY": f"localhost,127.0.0.1,{gateway}",
+        "no_proxy": f"localhost,127.0.0.1,{gateway}",
         "ANTHROPIC_BASE_URL": f"{base}/anthropic",
         "OPENAI_BASE_URL": f"{base}/openai{openai_suffix}",
         "GOOGLE_GEMINI_BASE_URL": f"{base}/google",
@@ -202,6 +205,9 @@ class CrewManager:
                 f"argument name: {name!r} must be 1-63 letters, digits or '-', "
                 "starting with a letter or digit"
             )
+        prefix = self.config.crews.name_prefix
+        if not name.startswith(prefix):
+            raise InvalidRequest(f"argument name: {name!r} must start with {prefix!r} here")
         try:
             check_crew_id(name)
         except NetnsError as exc:
@@ -331,7 +337,10 @@ class CrewManager:
             await self.proxy.remove_crew(name)
 
         async def containers() -> None:
-            await trio.to_thread.run_sync(self.provider.remove_crew, name)
+            # The crew's volumes (HOME, tools) go with it only when the crew itself goes.
+            await trio.to_thread.run_sync(
+                functools.partial(self.provider.remove_crew, name, volumes=not keep_subnet)
+            )
 
         async def network() -> None:
             forget = self.networks.detach if keep_subnet else self.networks.release
@@ -440,7 +449,12 @@ class CrewManager:
                 f"network: {c.action} {c.detail}" + (f" ({c.crew})" if c.crew else "")
                 for c in report.changes
             ]
-            owned = await trio.to_thread.run_sync(self.provider.owned)
+            prefix = self.config.crews.name_prefix
+            owned = [
+                c
+                for c in await trio.to_thread.run_sync(self.provider.owned)
+                if c.crew.startswith(prefix)
+            ]
             rows = {row.name: row for row in self.store.crews()}
             by_crew: dict[str, list[OwnedContainer]] = {}
             for container in owned:

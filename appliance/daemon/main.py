@@ -26,7 +26,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -50,12 +49,9 @@ def load_provider(config: ApplianceConfig) -> RuntimeProvider:
     """`docker`, or `module:factory` called with the config (tests, development)."""
     spec = config.daemon.provider
     if spec == "docker":
-        try:
-            from appliance.runtime.docker import DockerProvider
-        except ImportError as exc:
-            raise Unavailable(f"the Docker provider is not installed: {exc}") from None
-        provider: RuntimeProvider = DockerProvider()
-        return provider
+        from appliance.runtime.docker import DockerProvider
+
+        return DockerProvider.connect()
     module_name, sep, attribute = spec.partition(":")
     if not sep:
         raise ConfigInvalid(f"`daemon.provider`: {spec!r} is not 'docker' or 'module:factory'")
@@ -74,12 +70,11 @@ def resolve_images(config: ApplianceConfig) -> tuple[str, str]:
         return agent, infra
     if config.daemon.provider != "docker":
         return agent or "none", infra or "none"
-    try:
-        from images.build import ensure_images
-    except ImportError as exc:
-        raise Unavailable(f"no images configured and images.build is missing: {exc}") from None
-    tags: Any = ensure_images()
-    return agent or str(tags["agent"]), infra or str(tags["infra"])
+    from images.build import ensure_images
+
+    # Built once per recipe and cached (images/); a no-op when the tagged images exist.
+    tags = ensure_images()
+    return agent or tags.agent, infra or tags.infra
 
 
 class Daemon:
@@ -186,7 +181,7 @@ def run_daemon(config: ApplianceConfig) -> int:
         print(f"applianced: {exc}", file=sys.stderr, flush=True)
         return 1
     except Exception as exc:  # netns pool conflicts, state errors: say it, exit non-zero
-        if type(exc).__module__.startswith(("netns", "appliance")):
+        if type(exc).__module__.startswith(("netns", "appliance", "images")):
             print(f"applianced: {exc}", file=sys.stderr, flush=True)
             return 1
         raise
