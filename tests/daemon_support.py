@@ -227,6 +227,7 @@ resolve = {{ {resolve} }}
         for link in self.links():
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        remove_volumes(self.name_prefix)
 
 
 def new_appliance(tmp: Path, provider_port: int, plain_port: int, ca_file: str) -> Appliance:

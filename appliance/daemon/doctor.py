@@ -14,8 +14,6 @@ import subprocess
 
 import msgspec
 
-from appliance.runtime.base import KNOWN_RUNTIMES
-
 from .config import ApplianceConfig
 
 
@@ -55,27 +53,25 @@ def _engine(config: ApplianceConfig) -> list[Check]:
             ),
             Check("runtimes", bool(runtimes), True, "available: " + ", ".join(runtimes)),
         ]
-    try:
-        import docker
+    from appliance.runtime.docker import DockerProvider
+    from appliance.runtime.engine import detect_engine
 
-        client = docker.from_env(timeout=10)
-        client.ping()
-        info = client.info()
-    except Exception as exc:
-        return [Check("engine", False, True, f"no Docker engine answered: {exc}")]
-    present = sorted(info.get("Runtimes", {}))
+    try:
+        client, report = detect_engine()
+        status = DockerProvider(client).runtime_status()
+    except Exception as exc:  # EngineUnavailable lists every address tried and why
+        return [Check("engine", False, True, str(exc))]
     checks = [
-        Check("engine", True, True, f"Docker {info.get('ServerVersion')} at {client.api.base_url}")
-    ]
-    for runtime in KNOWN_RUNTIMES:
-        checks.append(
-            Check(
-                f"runtime {runtime}",
-                runtime in present,
-                runtime == "runc",
-                "registered in the engine" if runtime in present else "not registered",
-            )
+        Check(
+            "engine",
+            True,
+            True,
+            f"Docker {report.server_version} (API {report.api_version}) at {report.address}",
         )
+    ]
+    for runtime, state in status.items():
+        # runc is required (the infra container always runs on it); the others are optional.
+        checks.append(Check(f"runtime {runtime}", state == "available", runtime == "runc", state))
     return checks
 
 
