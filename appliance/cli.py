@@ -1,13 +1,15 @@
 """`appliancectl`: the operator's command line.
 
-Exit codes: 0 success, 1 a runtime failure (could not listen, peer refused), 2 bad usage or a bad
-configuration (the message names the key or argument). Every command takes `--json`.
+Exit codes: 0 success, 1 a runtime failure (could not listen, peer refused, a step failed), 2 bad
+usage or a bad configuration or request (the message names the key or argument), 3 not found (no
+such crew), 4 conflict (the crew exists, or is not in a phase that allows it), 5 applianced is
+not reachable. `run` returns the command's own exit code (124 if it timed out). Every command
+takes `--json`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -29,6 +31,8 @@ from proxycore.errors import ConfigError, ProxyError
 from proxycore.events import EventSink, JsonLinesSink, NullSink
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_UNREACHABLE = 3, 4, 5
+EXIT_TIMED_OUT = 124  # as timeout(1)
 
 
 class _Output:
@@ -38,9 +42,12 @@ class _Output:
     def result(self, human: str, data: dict[str, Any]) -> None:
         print(json.dumps(data) if self.as_json else human, flush=True)
 
-    def error(self, message: str, code: int) -> int:
+    def error(self, message: str, code: int, *, kind: str | None = None) -> int:
         if self.as_json:
-            print(json.dumps({"ok": False, "error": message}), flush=True)
+            data: dict[str, Any] = {"ok": False, "error": message}
+            if kind is not None:
+                data["kind"] = kind
+            print(json.dumps(data), flush=True)
         else:
             print(f"appliancectl: error: {message}", file=sys.stderr, flush=True)
         return code
@@ -77,11 +84,18 @@ def run_proxy_worker(
         if control_channel is not None:
             channel = trio.SocketStream(trio.socket.from_stdlib_socket(control_channel))
         async with trio.open_nursery() as nursery:
-            await nursery.start(
-                functools.partial(serve, control_channel=channel),
-                config,
-                make_sink(config, worker),
-            )
+
+            async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
+                # serve() returns when its control channel closes (the parent is gone).
+                await serve(
+                    config,
+                    make_sink(config, worker),
+                    control_channel=channel,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()
+
+            await nursery.start(serve_then_stop)
             where = ", ".join(
                 f"{address}:{config.listen.port}"
                 for address in dict.fromkeys(
@@ -108,9 +122,27 @@ def run_proxy_worker(
     trio.run(main)
 
 
+def _load_proxy_config(path: str) -> ProxyConfig:
+    """TOML, or JSON for a file applianced generated (the same Struct tree, same checks)."""
+    if not path.endswith(".json"):
+        return load_config(path)
+    import msgspec
+
+    try:
+        config = msgspec.json.decode(Path(path).read_bytes(), type=ProxyConfig)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    validate(config, source=path)
+    return config
+
+
 def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
     try:
-        config = load_config(args.config)
+        config = _load_proxy_config(args.config)
         warnings = validate(config, source=args.config)
     except ConfigError as exc:
         return out.error(str(exc), EXIT_USAGE)
@@ -127,6 +159,17 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
         out.result(f"{args.config}: ok", {"ok": True, "warnings": warnings})
         return EXIT_OK
     try:
+        if args.control_fd is not None:
+            # A child of applianced: policy, crews and their listening sockets arrive over this
+            # socketpair; the proxy stops when applianced closes it.
+            if workers != 1:
+                return out.error("argument --control-fd: needs a single worker", EXIT_USAGE)
+            try:
+                channel = socket.socket(fileno=args.control_fd)
+            except OSError as exc:
+                return out.error(f"argument --control-fd: {exc.strerror}", EXIT_USAGE)
+            run_proxy_worker(config, 0, control_channel=channel)
+            return EXIT_OK
         if workers == 1:
             # Bind before announcing readiness so a caller that sees "listening" can connect.
             run_proxy_worker(config, 0)
@@ -231,15 +274,393 @@ def cmd_demo(args: argparse.Namespace, out: _Output) -> int:
     return demo.main(as_json=out.as_json)
 
 
+# -- applianced and its admin API ---------------------------------------------------------------
+
+DEFAULT_CONFIG = "/etc/agent-appliance/appliance.toml"
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'512m', '1g', '1.5G', '536870912', '512MiB' -> bytes (binary units)."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = value[-1:] if value[-1:] in SIZE_UNITS else ""
+    number = value[: len(value) - len(unit)]
+    try:
+        size = float(number) * SIZE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512m, 2g)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return int(size)
+
+
+def _daemon_config(args: argparse.Namespace) -> Any:
+    from appliance.daemon.config import load_config as load_daemon_config
+
+    path = args.config
+    if path is None and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
+    return load_daemon_config(path)
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    if args.socket:
+        return str(args.socket)
+    env = os.environ.get("APPLIANCECTL_SOCKET")
+    if env:
+        return env
+    if args.config or os.path.exists(DEFAULT_CONFIG):
+        try:
+            return str(_daemon_config(args).daemon.admin_socket)
+        except Exception:  # noqa: S110 (the default below is as good an answer)
+            pass
+    from appliance.daemon.config import DEFAULT_ADMIN_SOCKET
+
+    return DEFAULT_ADMIN_SOCKET
+
+
+def _admin(
+    args: argparse.Namespace, out: _Output, method: str, target: str, body: object = None
+) -> tuple[int, Any]:
+    """One admin API call; (exit code, decoded body or None). Errors are printed here."""
+    from appliance.daemon.client import AdminClient, AdminError, Unreachable
+
+    client = AdminClient(_socket_path(args))
+    try:
+        return EXIT_OK, client.call(method, target, body)
+    except Unreachable as exc:
+        return out.error(str(exc), EXIT_UNREACHABLE), None
+    except AdminError as exc:
+        return out.error(exc.message, _exit_for_status(exc.status), kind=exc.error), None
+
+
+def _exit_for_status(status: int) -> int:
+    if status == 404:
+        return EXIT_NOT_FOUND
+    if status == 409:
+        return EXIT_CONFLICT
+    if 400 <= status < 500:
+        return EXIT_USAGE
+    return EXIT_FAILURE
+
+
+def cmd_up(args: argparse.Namespace, out: _Output) -> int:
+    try:
+        config = _daemon_config(args)
+    except Exception as exc:
+        return out.error(str(exc), EXIT_USAGE)
+    if os.geteuid() != 0:
+        return out.error("applianced needs root (netlink, nftables, the engine)", EXIT_FAILURE)
+    if args.detach:
+        return _up_detached(args, config, out)
+    from appliance.daemon.main import run_daemon
+
+    return run_daemon(config)
+
+
+def _up_detached(args: argparse.Namespace, config: Any, out: _Output) -> int:
+    """Start applianced in its own session, logging to a file; return once its socket answers."""
+    import subprocess
+    import time
+
+    from appliance.daemon.client import AdminClient, AdminError, Unreachable
+
+    state_dir = Path(config.daemon.state_dir)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_path = Path(args.log) if args.log else state_dir / "applianced.log"
+    command = [sys.executable, "-m", "appliance.cli", "up"]
+    if args.config:
+        command += ["--config", str(args.config)]
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
+        )
+    client = AdminClient(config.daemon.admin_socket, timeout=5)
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-5:]
+            return out.error(
+                f"applianced exited with {process.returncode}; {log_path}: " + " | ".join(tail),
+                EXIT_FAILURE,
+            )
+        try:
+            status = client.call("GET", "/v1/status")
+        except (Unreachable, AdminError):
+            time.sleep(0.2)
+            continue
+        if status.get("pid") == process.pid:
+            out.result(
+                f"applianced running (pid {process.pid}), log {log_path}",
+                {"ok": True, "pid": process.pid, "log": str(log_path), "status": status},
+            )
+            return EXIT_OK
+        time.sleep(0.2)
+    return out.error(
+        f"applianced did not answer within {args.wait} s (log: {log_path})", EXIT_FAILURE
+    )
+
+
+def cmd_status(args: argparse.Namespace, out: _Output) -> int:
+    code, status = _admin(args, out, "GET", "/v1/status")
+    if code:
+        return code
+    lines = [
+        f"applianced pid {status['pid']}, state {status['state_dir']}",
+        f"provider {status['provider']} (isolated: {status['isolated']}), runtimes: "
+        + ", ".join(status["runtimes"]),
+        f"proxy pid {status['proxy_pid']} alive: {status['proxy_alive']}, port "
+        f"{status['proxy_port']}, restarts {status['proxy_restarts']}",
+        f"crews: {status['crews']} ({status['crews_ready']} ready)",
+    ]
+    lines += [f"reconciled at start: {change}" for change in status["reconcile"]]
+    out.result("\n".join(lines), {"ok": True, **status})
+    return EXIT_OK
+
+
+def cmd_doctor(args: argparse.Namespace, out: _Output) -> int:
+    import msgspec
+
+    from appliance.daemon.doctor import run_checks
+
+    try:
+        config = _daemon_config(args)
+    except Exception as exc:
+        return out.error(str(exc), EXIT_USAGE)
+    report = run_checks(config)
+    lines = [
+        f"{'ok  ' if c.ok else ('FAIL' if c.required else 'no  ')} {c.name}: {c.detail}"
+        for c in report.checks
+    ]
+    lines.append("all required checks passed" if report.ok else "a required check failed")
+    out.result("\n".join(lines), msgspec.to_builtins(report))
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+def _crew_line(crew: dict[str, Any]) -> str:
+    return (
+        f"{crew['name']:<20} {crew['phase']:<9} {crew['mode']:<10} {crew['runtime']:<8} "
+        f"{crew.get('gateway') or '-':<16} {','.join(crew['allow']) or '-'}"
+    )
+
+
+def _crew_details(crew: dict[str, Any]) -> str:
+    lines = [
+        f"name:     {crew['name']}",
+        f"phase:    {crew['phase']}" + (f" ({crew['error']})" if crew.get("error") else ""),
+        f"mode:     {crew['mode']}",
+        f"allow:    {', '.join(crew['allow']) or '(provider hosts only)'}",
+        f"runtime:  {crew['runtime']}",
+        f"memory:   {crew['memory_bytes'] // (1 << 20)} MiB",
+        f"cpus:     {crew['cpus']}",
+        f"gateway:  {crew.get('gateway') or '-'}  address: {crew.get('address') or '-'}",
+    ]
+    for container in crew.get("containers", []):
+        state = "running" if container["running"] else "stopped"
+        lines.append(f"{container['role']:<6}    {container['container_id'][:12]} {state}")
+    return "\n".join(lines)
+
+
+def cmd_crew_create(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    request = messages.CreateCrew(
+        name=args.name,
+        mode=args.mode,
+        allow=tuple(host for group in args.allow for host in group),
+        runtime=args.runtime,
+        memory_bytes=args.memory,
+        cpus=args.cpus,
+    )
+    code, crew = _admin(args, out, "POST", "/v1/crews", request)
+    if code:
+        return code
+    out.result(f"crew {crew['name']} created\n" + _crew_details(crew), {"ok": True, "crew": crew})
+    return EXIT_OK
+
+
+def cmd_crew_ls(args: argparse.Namespace, out: _Output) -> int:
+    code, listing = _admin(args, out, "GET", "/v1/crews")
+    if code:
+        return code
+    header = f"{'NAME':<20} {'PHASE':<9} {'MODE':<10} {'RUNTIME':<8} {'GATEWAY':<16} ALLOW"
+    human = "\n".join([header, *(_crew_line(c) for c in listing["crews"])])
+    out.result(human, {"ok": True, **listing})
+    return EXIT_OK
+
+
+def cmd_crew_show(args: argparse.Namespace, out: _Output) -> int:
+    code, crew = _admin(args, out, "GET", f"/v1/crews/{args.name}")
+    if code:
+        return code
+    out.result(_crew_details(crew), {"ok": True, "crew": crew})
+    return EXIT_OK
+
+
+def cmd_crew_allow(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    code, result = _admin(
+        args, out, "POST", f"/v1/crews/{args.name}/allow", messages.AllowHost(host=args.host)
+    )
+    if code:
+        return code
+    state = "added" if result["changed"] else "already allowed"
+    out.result(f"{args.host}: {state} for crew {args.name}", {"ok": True, **result})
+    return EXIT_OK
+
+
+def cmd_crew_rm(args: argparse.Namespace, out: _Output) -> int:
+    code, result = _admin(args, out, "DELETE", f"/v1/crews/{args.name}")
+    if code:
+        return code
+    out.result(f"crew {args.name} removed", {"ok": True, **result})
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+    from appliance.daemon.client import AdminClient, AdminError, Unreachable
+
+    argv = list(args.argv)
+    if not argv:
+        return out.error("argument CMD: give the command after --", EXIT_USAGE)
+    client = AdminClient(_socket_path(args), timeout=None)
+    exit_code = EXIT_FAILURE
+    try:
+        for event in client.run(args.name, argv, args.timeout):
+            if isinstance(event, messages.RunExit):
+                exit_code = EXIT_TIMED_OUT if event.timed_out else event.exit_code
+                if out.as_json:
+                    print(json.dumps({"exit_code": event.exit_code, "timed_out": event.timed_out}))
+            elif out.as_json:
+                print(json.dumps({"stream": event.stream, "line": event.line}), flush=True)
+            else:
+                target = sys.stdout if event.stream == "stdout" else sys.stderr
+                target.write(event.line)
+                target.flush()
+    except Unreachable as exc:
+        return out.error(str(exc), EXIT_UNREACHABLE)
+    except AdminError as exc:
+        return out.error(exc.message, _exit_for_status(exc.status), kind=exc.error)
+    return exit_code if 0 <= exit_code <= 255 else EXIT_FAILURE
+
+
+def cmd_net_show(args: argparse.Namespace, out: _Output) -> int:
+    code, report = _admin(args, out, "GET", "/v1/net")
+    if code:
+        return code
+    lines = [
+        f"table {report['table']}: {'present' if report['table_present'] else 'MISSING'}"
+        + (
+            f"; differs: {'; '.join(report['base_differences'])}"
+            if report["base_differences"]
+            else ""
+        )
+    ]
+    for crew in report["crews"]:
+        lines.append(
+            f"{crew['crew']:<20} {crew['phase']:<9} {crew['ifname']} gw {crew['gateway']} "
+            f"crew {crew['address']} ns {'alive' if crew['namespace_alive'] else 'gone'} "
+            f"accepted {crew['accepted_packets']} dropped {crew['dropped_packets']}"
+        )
+    for counter in report["counters"]:
+        lines.append(f"counter {counter['role']}: {counter['packets']} packets")
+    if report["orphan_links"] or report["orphan_chains"]:
+        lines.append(f"orphans: links {report['orphan_links']} chains {report['orphan_chains']}")
+    out.result("\n".join(lines), {"ok": True, **report})
+    return EXIT_OK
+
+
+def _add_admin_parsers(commands: Any) -> None:
+    def leaf(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+        )
+        parser.add_argument(
+            "--socket",
+            default=argparse.SUPPRESS,
+            help="applianced's admin socket (default: $APPLIANCECTL_SOCKET, the config's, or "
+            "/run/agent-appliance/admin.sock)",
+        )
+        parser.add_argument(
+            "--config",
+            default=argparse.SUPPRESS,
+            help=f"appliance config (default {DEFAULT_CONFIG})",
+        )
+        return parser
+
+    up = leaf(commands.add_parser("up", help="run applianced (foreground unless --detach)"))
+    up.add_argument("--detach", action="store_true", help="run in the background, return when up")
+    up.add_argument("--log", help="log file with --detach (default <state_dir>/applianced.log)")
+    up.add_argument("--wait", type=float, default=120.0, help="seconds to wait with --detach")
+    up.set_defaults(func=cmd_up)
+
+    leaf(commands.add_parser("status", help="applianced's state")).set_defaults(func=cmd_status)
+    leaf(
+        commands.add_parser("doctor", help="check that this host can run the appliance")
+    ).set_defaults(func=cmd_doctor)
+
+    crew = commands.add_parser("crew", help="manage crews")
+    crews = crew.add_subparsers(dest="crew_command", required=True)
+    create = leaf(crews.add_parser("create", help="create a crew and start its agent container"))
+    create.add_argument("name")
+    create.add_argument("--mode", default="restricted", help="free, restricted (default) or none")
+    create.add_argument(
+        "--allow", nargs="+", action="append", default=[], metavar="HOST", help="allowed hosts"
+    )
+    create.add_argument("--runtime", help="container runtime (default: the configured one)")
+    create.add_argument("--memory", type=parse_size, help="memory limit, e.g. 512m, 2g")
+    create.add_argument("--cpus", type=float, help="CPU limit, e.g. 0.5, 2")
+    create.set_defaults(func=cmd_crew_create)
+    leaf(crews.add_parser("ls", help="list crews")).set_defaults(func=cmd_crew_ls)
+    show = leaf(crews.add_parser("show", help="one crew in detail"))
+    show.add_argument("name")
+    show.set_defaults(func=cmd_crew_show)
+    allow = leaf(crews.add_parser("allow", help="allow a host for a crew, at run time"))
+    allow.add_argument("name")
+    allow.add_argument("host")
+    allow.set_defaults(func=cmd_crew_allow)
+    rm = leaf(crews.add_parser("rm", help="remove a crew (containers, network, proxy)"))
+    rm.add_argument("name")
+    rm.set_defaults(func=cmd_crew_rm)
+
+    run = leaf(commands.add_parser("run", help="run a command in a crew's agent container"))
+    run.add_argument("--timeout", type=float, help="seconds, then the command is killed (exit 124)")
+    run.add_argument("name")
+    # Everything after the first "--" is the command (split off in main(), so that options
+    # may come before or after NAME).
+    run.add_argument("argv", nargs="*", metavar="-- CMD")
+    run.set_defaults(func=cmd_run)
+
+    net = commands.add_parser("net", help="the crews' networks")
+    nets = net.add_subparsers(dest="net_command", required=True)
+    leaf(nets.add_parser("show", help="links, addresses, rules and counters")).set_defaults(
+        func=cmd_net_show
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="appliancectl", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--socket", default=None, help="applianced's admin socket")
+    parser.add_argument("--config", default=None, help="appliance config file")
     commands = parser.add_subparsers(dest="command", required=True)
 
     proxy = commands.add_parser("proxy", help="run the proxy core in the foreground")
     proxy.add_argument("--config", required=True, help="TOML configuration file")
     proxy.add_argument("--workers", type=int, default=0, help="worker processes (SO_REUSEPORT)")
     proxy.add_argument("--check", action="store_true", help="validate the config and exit")
+    proxy.add_argument(
+        "--control-fd",
+        type=int,
+        default=None,
+        help="a socketpair end inherited from applianced: control messages and crew listeners",
+    )
     proxy.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
@@ -288,13 +709,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     demo.set_defaults(func=cmd_demo)
+    _add_admin_parsers(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "run" in arguments and "--" in arguments[arguments.index("run") :]:
+        split = arguments.index("--", arguments.index("run"))
+        arguments, command = arguments[:split], arguments[split + 1 :]
+    args = parser.parse_args(arguments)
+    if args.command == "run":
+        args.argv = [*args.argv, *command]
     if args.command == "proxy" and args.workers < 0:
         parser.error("argument --workers: must be >= 1")
     out = _Output(args.json)

@@ -28,7 +28,29 @@ class ReloadCredentials(
     """Read the provider credentials again (rotated or added) and recompile the scrubber."""
 
 
-ControlMessage = AllowHost | Ping | ReloadCredentials
+class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields=True):
+    """Serve a new crew from now on (applianced, when a crew is created or restored).
+
+    With `listener` true, the message travels with one listening TCP socket (SCM_RIGHTS, in the
+    same `sendmsg` as the line), bound by the privileged side on the crew's gateway: the proxy
+    accepts on it and never binds anything itself. Without it, the crew's gateway must already
+    be served by a listener the proxy has (`listen.addresses`).
+    """
+
+    name: str
+    gateway: str
+    mode: str | None = None
+    allow: tuple[str, ...] = ()
+    listener: bool = False
+
+
+class CrewRemove(msgspec.Struct, frozen=True, tag="crew_remove", forbid_unknown_fields=True):
+    """Stop serving a crew: its listener is closed and its open connections are ended."""
+
+    name: str
+
+
+ControlMessage = AllowHost | Ping | ReloadCredentials | CrewAdd | CrewRemove
 
 
 class ControlReply(msgspec.Struct, frozen=True, omit_defaults=True):

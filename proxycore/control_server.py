@@ -7,9 +7,11 @@ and an idle connection is closed after a while, so a stuck client cannot pin mem
 
 from __future__ import annotations
 
+import array
 import os
 import socket
 import stat
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -18,8 +20,15 @@ import trio
 from . import control
 
 Handler = Callable[[control.ControlMessage], Awaitable[control.ControlReply]]
+# A handler for the parent's channel: the second argument is the listening socket that came with
+# the message (`CrewAdd.listener`), or None; the handler owns it from then on.
+ChannelHandler = Callable[
+    [control.ControlMessage, socket.socket | None], Awaitable[control.ControlReply]
+]
 MAX_LINE = 1 << 20
 IDLE_SECONDS = 300.0
+# Descriptors accepted per read; the sender passes one per message.
+MAX_FDS_PER_READ = 8
 
 
 async def serve_control_stream(stream: trio.abc.Stream, handler: Handler) -> None:
@@ -44,6 +53,97 @@ async def serve_control_stream(stream: trio.abc.Stream, handler: Handler) -> Non
                 else:
                     reply = await handler(message)
                 await stream.send_all(control.encoder.encode(reply) + b"\n")
+
+
+async def serve_control_channel(sock: trio.socket.SocketType, handler: ChannelHandler) -> None:
+    """Serve the parent's end of a socketpair (applianced, or the worker supervisor); returns
+    when the parent closes it.
+
+    Like `serve_control_stream`, plus descriptors passed with SCM_RIGHTS: they are queued in the
+    order they arrive, and a message that announces one (`CrewAdd.listener`) takes the oldest.
+    The kernel delivers a descriptor with the first byte of the `sendmsg` that carried it, and
+    the sender puts a message and its descriptor in one `sendmsg`, so the descriptor is queued
+    before its line is complete. If descriptors were truncated (MSG_CTRUNC) the pairing can no
+    longer be trusted and the channel is closed (fail closed: the caller stops the proxy).
+    Unclaimed descriptors are closed. No idle timeout: the parent may be quiet for days.
+    """
+    buffer = bytearray()
+    fds: deque[socket.socket] = deque()
+    space = socket.CMSG_SPACE(MAX_FDS_PER_READ * array.array("i").itemsize)
+    try:
+        while True:
+            data, ancdata, flags, _ = await sock.recvmsg(65536, space, socket.MSG_CMSG_CLOEXEC)
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    numbers = array.array("i")
+                    usable = len(payload) - len(payload) % numbers.itemsize
+                    numbers.frombytes(payload[:usable])
+                    fds.extend(socket.socket(fileno=fd) for fd in numbers)
+            if flags & socket.MSG_CTRUNC or not data:
+                return
+            buffer += data
+            if len(buffer) > MAX_LINE and b"\n" not in buffer:
+                return
+            while (end := buffer.find(b"\n")) != -1:
+                line = bytes(buffer[:end])
+                del buffer[: end + 1]
+                try:
+                    message = control.message_decoder.decode(line)
+                except msgspec.DecodeError as exc:
+                    reply = control.ControlReply(ok=False, error=f"bad message: {exc}")
+                else:
+                    listener = None
+                    if isinstance(message, control.CrewAdd) and message.listener:
+                        listener = fds.popleft() if fds else None
+                        if listener is None:
+                            reply = control.ControlReply(
+                                ok=False, error="crew_add: no listening socket came with it"
+                            )
+                            await _send_all(sock, control.encoder.encode(reply) + b"\n")
+                            continue
+                    reply = await handler(message, listener)
+                await _send_all(sock, control.encoder.encode(reply) + b"\n")
+    finally:
+        for fd in fds:
+            fd.close()
+
+
+async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await sock.send(view)
+        view = view[sent:]
+
+
+class ChannelClient:
+    """The parent's end of a proxy's control socketpair: one request at a time, optionally with
+    a listening socket passed along (SCM_RIGHTS)."""
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.lock = trio.Lock()
+        self.buffer = bytearray()
+
+    async def request(
+        self, message: control.ControlMessage, *, listener: socket.socket | None = None
+    ) -> control.ControlReply:
+        data = control.encoder.encode(message) + b"\n"
+        async with self.lock:
+            if listener is not None:
+                fds = array.array("i", [listener.fileno()])
+                sent = await self.sock.sendmsg(
+                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())]
+                )
+                data = data[sent:]
+            await _send_all(self.sock, data)
+            while (end := self.buffer.find(b"\n")) == -1:
+                chunk = await self.sock.recv(65536)
+                if not chunk:
+                    raise trio.BrokenResourceError("the proxy closed its control channel")
+                self.buffer += chunk
+            line = bytes(self.buffer[:end])
+            del self.buffer[: end + 1]
+            return control.reply_decoder.decode(line)
 
 
 async def serve_control_socket(

@@ -36,8 +36,8 @@ import msgspec
 import trio
 
 from . import control, http1, tunnel
-from .config import DEFAULT_BASE_URLS, ProxyConfig, crew_policy
-from .control_server import serve_control_socket, serve_control_stream
+from .config import DEFAULT_BASE_URLS, CrewConfig, ProxyConfig, crew_policy, validate
+from .control_server import serve_control_channel, serve_control_socket
 from .credentials import Provider, ProviderRoute, load_credential, rewrite_for_provider, route_for
 from .errors import HttpProtocolError, PolicyDenied, ProxyError, UpstreamError
 from .events import (
@@ -136,16 +136,7 @@ class ProxyRuntime:
         )
         self.crews: dict[str, CrewState] = {}
         for crew in config.crew:
-            mode, allowlist = crew_policy(crew)
-            # The configured provider hosts are part of every crew's allowlist: the operator
-            # named them, and the reverse routes lead nowhere else.
-            for route in self.routes_by_name.values():
-                allowlist.add(route.host)
-            gateway = normalize_host(crew.gateway) if ":" in crew.gateway else crew.gateway
-            self.crews[gateway] = CrewState(crew.name, gateway, mode, allowlist)
-            _, warning = parse_mode(crew.mode)
-            if warning:
-                sink.emit(PolicyWarning(crew=crew.name, message=warning))
+            self._add_crew(crew)
         self.dialer = Dialer(
             AddressGuard(config.upstream.ssrf_allow),
             config.upstream.resolve,
@@ -198,6 +189,50 @@ class ProxyRuntime:
             self._host_fields[key] = value
         return value
 
+    def _add_crew(self, crew: CrewConfig) -> CrewState:
+        mode, allowlist = crew_policy(crew)
+        # The configured provider hosts are part of every crew's allowlist: the operator
+        # named them, and the reverse routes lead nowhere else.
+        for route in self.routes_by_name.values():
+            allowlist.add(route.host)
+        gateway = normalize_host(crew.gateway) if ":" in crew.gateway else crew.gateway
+        state = self.crews[gateway] = CrewState(crew.name, gateway, mode, allowlist)
+        _, warning = parse_mode(crew.mode)
+        if warning:
+            self.sink.emit(PolicyWarning(crew=crew.name, message=warning))
+        return state
+
+    def add_crew(self, message: control.CrewAdd) -> control.ControlReply:
+        """A crew created at run time (applianced): validated as the config file's crews are."""
+        crew = CrewConfig(
+            name=message.name, gateway=message.gateway, mode=message.mode, allow=message.allow
+        )
+        try:
+            validate(ProxyConfig(crew=(crew,)), source="crew_add")
+        except ProxyError as exc:
+            return control.ControlReply(ok=False, error=str(exc))
+        if self.crew_named(crew.name) is not None:
+            return control.ControlReply(ok=False, error=f"crew {crew.name!r} is already served")
+        gateway = normalize_host(crew.gateway) if ":" in crew.gateway else crew.gateway
+        if gateway in self.crews:
+            return control.ControlReply(
+                ok=False, error=f"gateway {gateway} already serves crew {self.crews[gateway].name}"
+            )
+        self._add_crew(crew)
+        return control.ControlReply(ok=True, changed=True)
+
+    def remove_crew(self, name: str) -> control.ControlReply:
+        """Forget a crew and end its open connections. Idempotent (changed says if it was
+        served)."""
+        crew = self.crew_named(name)
+        if crew is None:
+            return control.ControlReply(ok=True, changed=False)
+        del self.crews[crew.gateway]
+        for connection in list(self.live):
+            if connection.crew is crew:
+                connection.scope.cancel()
+        return control.ControlReply(ok=True, changed=True)
+
     def crew_for(self, local_address: str) -> CrewState | None:
         return self.crews.get(local_address)
 
@@ -223,6 +258,10 @@ class ProxyRuntime:
             except (ProxyError, ValueError) as exc:  # ConfigError names the key, never a value
                 return control.ControlReply(ok=False, error=str(exc))
             return control.ControlReply(ok=True, changed=changed)
+        if isinstance(message, control.CrewAdd):
+            return self.add_crew(message)
+        if isinstance(message, control.CrewRemove):
+            return self.remove_crew(message.name)
         crew = self.crew_named(message.crew)
         if crew is None:
             return control.ControlReply(ok=False, error=f"unknown crew {message.crew!r}")
@@ -1177,8 +1216,37 @@ async def serve(
             nursery.start_soon(runtime.reap_expired)
             handler = runtime.handle_control_async
             if control_channel is not None:
-                # A worker of a supervisor: control messages arrive over a socketpair.
-                nursery.start_soon(serve_control_stream, control_channel, handler)
+                # A child of applianced or of the worker supervisor: control messages (and the
+                # listening sockets of crews added at run time) arrive over a socketpair.
+                listeners_by_crew: dict[str, trio.CancelScope] = {}
+
+                async def channel_handler(
+                    message: control.ControlMessage, listener: socket.socket | None
+                ) -> control.ControlReply:
+                    if listener is not None and not isinstance(message, control.CrewAdd):
+                        listener.close()
+                        listener = None
+                    reply = runtime.handle_control(message)
+                    if isinstance(message, control.CrewRemove):
+                        scope = listeners_by_crew.pop(message.name, None)
+                        if scope is not None:
+                            scope.cancel()
+                    elif isinstance(message, control.CrewAdd) and listener is not None:
+                        if reply.ok:
+                            scope = await nursery.start(_serve_listener, listener, handle, nursery)
+                            listeners_by_crew[message.name] = scope
+                        else:
+                            listener.close()
+                    return reply
+
+                async def control_then_stop() -> None:
+                    await serve_control_channel(control_channel.socket, channel_handler)
+                    # The parent is gone: stop rather than serve a policy nobody can change
+                    # (fail closed).
+                    log.warning("control channel closed; stopping")
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(control_then_stop)
             elif config.control.socket:
                 await nursery.start(serve_control_socket, config.control.socket, handler)
             for listener in listeners:
@@ -1187,6 +1255,24 @@ async def serve(
     finally:
         for connection in runtime.dialer.discard_idle():
             connection.close()
+
+
+async def _serve_listener(
+    sock: socket.socket,
+    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    nursery: trio.Nursery,
+    *,
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept on a listening socket handed down by the parent until the scope is cancelled."""
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        try:
+            await _accept_loop(listener, handler, nursery)
+        finally:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
 
 
 async def _accept_loop(

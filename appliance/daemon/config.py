@@ -1,0 +1,162 @@
+"""applianced's configuration: one TOML file parsed into frozen msgspec Structs.
+
+Unknown keys and bad values are errors naming the key (`ConfigInvalid`), as in
+`proxycore/config.py`. Sections:
+
+    [daemon]   state directory, admin socket, provider, proxy port, stop_crews_on_exit
+    [images]   the agent and infra image tags (built locally, see images/)
+    [crews]    bounds on what a crew may ask for (memory, cpus) and the default runtime
+    [net]      netns.NetConfig (pool, table, interface prefix...); proxy_ports is set from
+               [daemon] proxy_port, so the rules and the proxy can never disagree
+    [proxy]    what the proxy core takes from its own config file except crews, listeners and
+               control (applianced supplies those): limits, providers, upstream, events, scrub
+
+No file at all means every default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from netns import NetConfig, NetnsError, validate_config
+from proxycore.config import (
+    DEFAULT_PORT,
+    EventsConfig,
+    LimitsConfig,
+    ProvidersConfig,
+    ProxyConfig,
+    ScrubConfig,
+    UpstreamConfig,
+    validate,
+)
+from proxycore.errors import ConfigError
+
+from .errors import ConfigInvalid
+
+DEFAULT_STATE_DIR = "/var/lib/agent-appliance"
+DEFAULT_ADMIN_SOCKET = "/run/agent-appliance/admin.sock"
+MIB = 1024 * 1024
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    state_dir: str = DEFAULT_STATE_DIR
+    admin_socket: str = DEFAULT_ADMIN_SOCKET
+    # "docker", or "package.module:factory" (a callable taking the ApplianceConfig and returning
+    # a RuntimeProvider): development and the tests' own providers.
+    provider: str = "docker"
+    proxy_port: Port = DEFAULT_PORT
+    # On SIGTERM: False leaves the crews running (the next start adopts them), True stops them
+    # (containers removed, networks detached, rows kept as "stopped"; the next start re-creates
+    # them).
+    stop_crews_on_exit: bool = False
+
+
+class ImagesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # None: ask images.build.ensure_images() at start (the Docker provider only).
+    agent: str | None = None
+    infra: str | None = None
+
+
+class CrewsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Every crew name must start with this. Containers of crews whose names do not are not this
+    # applianced's (it never adopts or removes them): two instances on one host (a test
+    # instance beside a real one) partition the names, as netns's table and interface prefix
+    # partition the kernel objects.
+    name_prefix: str = ""
+    default_runtime: str = "runc"
+    default_memory_bytes: int = 512 * MIB
+    min_memory_bytes: int = 64 * MIB
+    max_memory_bytes: int = 16 * 1024 * MIB
+    default_cpus: float = 1.0
+    min_cpus: float = 0.1
+    # 0: the number of CPUs of the host.
+    max_cpus: float = 0.0
+
+
+class ProxySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    limits: LimitsConfig = LimitsConfig()
+    providers: ProvidersConfig = ProvidersConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    events: EventsConfig = EventsConfig()
+    scrub: ScrubConfig = ScrubConfig()
+
+
+class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    daemon: DaemonSection = DaemonSection()
+    images: ImagesSection = ImagesSection()
+    crews: CrewsSection = CrewsSection()
+    net: NetConfig = NetConfig()
+    proxy: ProxySection = ProxySection()
+
+    @property
+    def max_cpus(self) -> float:
+        return self.crews.max_cpus or float(os.cpu_count() or 1)
+
+    def net_config(self) -> NetConfig:
+        return msgspec.structs.replace(self.net, proxy_ports=(self.daemon.proxy_port,))
+
+    def proxy_config(self) -> ProxyConfig:
+        """The proxy child's configuration: no crews and no listeners of its own (crews and
+        their listening sockets arrive over the control channel)."""
+        section = self.proxy
+        return ProxyConfig(
+            limits=section.limits,
+            providers=section.providers,
+            upstream=section.upstream,
+            events=section.events,
+            scrub=section.scrub,
+        )
+
+
+def parse_config(text: str | bytes, *, source: str = "<config>") -> ApplianceConfig:
+    try:
+        config = msgspec.toml.decode(text, type=ApplianceConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigInvalid(f"{source}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigInvalid(f"{source}: not valid TOML: {exc}") from None
+    return check_config(config, source=source)
+
+
+def load_config(path: str | os.PathLike[str] | None) -> ApplianceConfig:
+    if path is None:
+        return check_config(ApplianceConfig(), source="<defaults>")
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigInvalid(f"cannot read config {path}: {exc.strerror}") from None
+    return parse_config(text, source=str(path))
+
+
+def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
+    def fail(key: str, why: str) -> ConfigInvalid:
+        return ConfigInvalid(f"{source}: `{key}`: {why}")
+
+    daemon = config.daemon
+    for key in ("state_dir", "admin_socket"):
+        if not os.path.isabs(getattr(daemon, key)):
+            raise fail(f"daemon.{key}", "must be an absolute path")
+    if not daemon.provider:
+        raise fail("daemon.provider", "must be 'docker' or 'module:factory'")
+    crews = config.crews
+    if not 0 < crews.min_memory_bytes <= crews.default_memory_bytes <= crews.max_memory_bytes:
+        raise fail(
+            "crews", "needs 0 < min_memory_bytes <= default_memory_bytes <= max_memory_bytes"
+        )
+    if not 0 < crews.min_cpus <= crews.default_cpus <= config.max_cpus:
+        raise fail("crews", "needs 0 < min_cpus <= default_cpus <= max_cpus")
+    try:
+        validate_config(config.net_config())
+    except NetnsError as exc:
+        raise fail("net", str(exc)) from None
+    try:
+        validate(config.proxy_config(), source=f"{source} [proxy]")
+    except ConfigError as exc:
+        raise ConfigInvalid(str(exc)) from None
+    return config

@@ -1,0 +1,533 @@
+"""The crew manager: create, remove, allow, run, and reconcile at start.
+
+Theory of operation
+-------------------
+Creating a crew is a sequence of named steps; each registers its undo *before* it runs (every
+undo is idempotent and safe on a half-done step), so a failure anywhere undoes everything in
+reverse and the error names the step:
+
+    validate          name, duplicates, mode, allow hosts, runtime, memory, cpus: before anything
+    record intent     state row, phase "creating"            undo: delete the row
+    create infra      provider.create_infra -> Pod            undo: provider.remove_crew
+    attach network    netns: rules, then veth, addresses      undo: networks.release
+    add to proxy      bind gateway:port, proxy crew_add       undo: proxy crew_remove, close
+    start agent       provider.start_agent (proxy env only)   (undone by provider.remove_crew)
+    commit            phase "ready"
+
+The agent starts last: its network rules and its proxy exist before any agent process does.
+`on_step(crew, step)` is called after each step (the tests SIGKILL the daemon there).
+
+Removing runs the other way (phase "removing", proxy, containers, network, row) and is never
+rolled back: a failure leaves the phase "removing", and `crew rm` again, or the next start,
+finishes it.
+
+Reconciliation at every start (before the admin socket opens), with the rules in docs/daemon.md:
+netns reconcile first (rules and links), then every state row against the containers the
+provider owns: "creating" is rolled back, "removing" finished, containers and networks without a
+row removed; a "ready" crew whose containers all run is served again (proxy crew_add); a "ready"
+crew with a container gone, or a "stopped" one, is re-created from its row (same name, same
+subnet, so the same gateway); if that fails it is torn down and marked "failed".
+
+All provider and netns calls block (milliseconds to a second) and run in threads; one lock
+serializes the operations that change crews, so two `create`s of one name cannot race.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import signal
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
+
+from appliance.runtime.base import (
+    ContainerRole,
+    CrewSpec,
+    ExecExited,
+    ExecOutput,
+    OwnedContainer,
+    Pod,
+    RuntimeProvider,
+)
+from netns import CrewNetworks, NetnsError, netns_of_pid
+from netns.addressing import check_crew_id
+from proxycore.errors import PolicyDenied
+from proxycore.policy import Allowlist, NetworkMode, normalize_host
+
+from . import messages
+from .config import ApplianceConfig
+from .errors import CrewBusy, CrewExists, CrewNotFound, DaemonError, InvalidRequest, StepFailed
+from .proxy import CrewEntry, ProxyChild
+from .state import CrewPhase, CrewRow, StateStore
+
+log = logging.getLogger("applianced.crews")
+
+StepHook = Callable[[str, str], None]
+# The intersection of what netns (interface names), the proxy (crew names) and the container
+# engine (container names) accept.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
+MODES = tuple(mode.value for mode in NetworkMode)
+# Tests: "STEP" or "CREW:STEP" -> SIGKILL the daemon right after that step.
+KILL_ENV = "APPLIANCED_TEST_KILL_AFTER_STEP"
+
+
+def kill_hook_from_env() -> StepHook | None:
+    target = os.environ.get(KILL_ENV)
+    if not target:
+        return None
+
+    def hook(crew: str, step: str) -> None:
+        if target in (step, f"{crew}:{step}"):
+            log.warning("%s=%s: killing myself after %s of %s", KILL_ENV, target, step, crew)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def agent_environment(config: ApplianceConfig, gateway: str) -> dict[str, str]:
+    """What an agent process sees: the proxy and the provider base URLs; never a credential."""
+    base = f"http://{gateway}:{config.daemon.proxy_port}"
+    openai = config.proxy.providers.openai.base_url or ""
+    # The OpenAI SDKs expect the base URL to include /v1; the proxy's /openai route maps onto
+    # the configured base URL, which may or may not include it.
+    openai_suffix = "" if openai.rstrip("/").endswith("/v1") else "/v1"
+    return {
+        "HTTP_PROXY": base,
+        "HTTPS_PROXY": base,
+        "http_proxy": base,
+        "https_proxy": base,
+        # The gateway too: the base URLs below point at the proxy itself, and a client that
+        # honours HTTP_PROXY (httpx, curl) must not send them to the proxy as forward requests.
+        "NO_PROXY": f"localhost,127.0.0.1,{gateway}",
+        "no_proxy": f"localhost,127.0.0.1,{gateway}",
+        "ANTHROPIC_BASE_URL": f"{base}/anthropic",
+        "OPENAI_BASE_URL": f"{base}/openai{openai_suffix}",
+        "GOOGLE_GEMINI_BASE_URL": f"{base}/google",
+        "HOME": "/home/agent",
+    }
+
+
+class _Steps:
+    def __init__(self, crew: str, on_step: StepHook | None) -> None:
+        self.crew = crew
+        self.on_step = on_step
+        self.undo: list[tuple[str, Callable[[], Awaitable[object]]]] = []
+
+    async def run(
+        self,
+        name: str,
+        work: Callable[[], Awaitable[object]],
+        undo: Callable[[], Awaitable[object]] | None = None,
+    ) -> Any:
+        if undo is not None:
+            self.undo.append((name, undo))
+        try:
+            result = await work()
+        except BaseException as exc:
+            await self.rollback(name, exc)
+            raise AssertionError("unreachable") from None
+        if self.on_step is not None:
+            self.on_step(self.crew, name)
+        return result
+
+    async def rollback(self, name: str, exc: BaseException) -> None:
+        errors: list[str] = []
+        with trio.CancelScope(shield=True):
+            for done, undo in reversed(self.undo):
+                try:
+                    await undo()
+                except Exception as undo_exc:
+                    errors.append(f"undo {done!r}: {undo_exc}")
+        if not isinstance(exc, Exception):
+            raise exc
+        raise StepFailed(self.crew, name, exc, tuple(errors)) from exc
+
+
+class CrewManager:
+    def __init__(
+        self,
+        config: ApplianceConfig,
+        provider: RuntimeProvider,
+        networks: CrewNetworks,
+        store: StateStore,
+        proxy: ProxyChild,
+        images: tuple[str, str],
+        *,
+        on_step: StepHook | None = None,
+    ) -> None:
+        self.config = config
+        self.provider = provider
+        self.networks = networks
+        self.store = store
+        self.proxy = proxy
+        self.agent_image, self.infra_image = images
+        self.on_step = on_step
+        self.lock = trio.Lock()
+        self._runtimes: tuple[str, ...] | None = None
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def runtimes(self) -> tuple[str, ...]:
+        if self._runtimes is None:
+            self._runtimes = tuple(await trio.to_thread.run_sync(self.provider.runtimes))
+        return self._runtimes
+
+    def _spec(self, row: CrewRow, env: dict[str, str] | None = None) -> CrewSpec:
+        return CrewSpec(
+            name=row.name,
+            image=self.agent_image,
+            infra_image=self.infra_image,
+            runtime=row.runtime,
+            memory_bytes=row.memory_bytes,
+            cpus=row.cpus,
+            env=env or {},
+        )
+
+    def _row(self, name: str) -> CrewRow:
+        row = self.store.get(name)
+        if row is None:
+            raise CrewNotFound(name)
+        return row
+
+    # -- validation -------------------------------------------------------------------------
+
+    async def validate(self, request: messages.CreateCrew) -> CrewRow:
+        """Everything checked before anything is created; errors name the argument."""
+        name = request.name
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"argument name: {name!r} must be 1-63 letters, digits or '-', "
+                "starting with a letter or digit"
+            )
+        prefix = self.config.crews.name_prefix
+        if not name.startswith(prefix):
+            raise InvalidRequest(f"argument name: {name!r} must start with {prefix!r} here")
+        try:
+            check_crew_id(name)
+        except NetnsError as exc:
+            raise InvalidRequest(f"argument name: {exc}") from None
+        if self.store.get(name) is not None:
+            raise CrewExists(name)
+        if request.mode not in MODES:
+            raise InvalidRequest(
+                f"argument mode: {request.mode!r} is not one of {', '.join(MODES)}"
+            )
+        allow: list[str] = []
+        for host in request.allow:
+            try:
+                normalized = normalize_host(host)
+                Allowlist([normalized])
+            except (PolicyDenied, ValueError):
+                raise InvalidRequest(f"argument allow: not a valid host name: {host!r}") from None
+            if normalized not in allow:
+                allow.append(normalized)
+        crews = self.config.crews
+        runtime = request.runtime or crews.default_runtime
+        available = await self.runtimes()
+        if runtime not in available:
+            raise InvalidRequest(
+                f"argument runtime: {runtime!r} is not available here "
+                f"(available: {', '.join(available) or 'none'})"
+            )
+        memory = (
+            crews.default_memory_bytes if request.memory_bytes is None else request.memory_bytes
+        )
+        if not crews.min_memory_bytes <= memory <= crews.max_memory_bytes:
+            raise InvalidRequest(
+                f"argument memory: {memory} bytes is outside {crews.min_memory_bytes}.."
+                f"{crews.max_memory_bytes}"
+            )
+        cpus = crews.default_cpus if request.cpus is None else request.cpus
+        if not crews.min_cpus <= cpus <= self.config.max_cpus:
+            raise InvalidRequest(
+                f"argument cpus: {cpus} is outside {crews.min_cpus}..{self.config.max_cpus}"
+            )
+        now = time.time()
+        return CrewRow(
+            name=name,
+            mode=request.mode,
+            allow=tuple(allow),
+            runtime=runtime,
+            memory_bytes=memory,
+            cpus=cpus,
+            phase=CrewPhase.CREATING,
+            created=now,
+            updated=now,
+        )
+
+    # -- create / remove --------------------------------------------------------------------
+
+    async def create(self, request: messages.CreateCrew) -> CrewRow:
+        async with self.lock:
+            row = await self.validate(request)
+            steps = _Steps(row.name, self.on_step)
+
+            async def record() -> None:
+                try:
+                    self.store.insert(row)
+                except sqlite3.IntegrityError:
+                    raise CrewExists(row.name) from None
+
+            async def forget() -> None:
+                self.store.delete(row.name)
+
+            await steps.run("record intent", record, forget)
+            await self._bring_up(row, steps)
+            return self._row(row.name)
+
+    async def _bring_up(self, row: CrewRow, steps: _Steps) -> None:
+        """Containers, network, proxy, agent, then phase ready; each step undone on failure."""
+        name = row.name
+        spec = self._spec(row)
+
+        async def remove_containers() -> None:
+            await trio.to_thread.run_sync(self.provider.remove_crew, name)
+
+        async def create_infra() -> Pod:
+            pod = await trio.to_thread.run_sync(self.provider.create_infra, spec)
+            self.store.update(name, infra_id=pod.infra_id)
+            return pod
+
+        pod: Pod = await steps.run("create infra", create_infra, remove_containers)
+
+        async def attach() -> str:
+            network = await trio.to_thread.run_sync(
+                self.networks.attach, name, netns_of_pid(pod.infra_pid)
+            )
+            self.store.update(name, gateway=network.gateway)
+            return network.gateway
+
+        async def release() -> None:
+            await trio.to_thread.run_sync(self.networks.release, name)
+
+        gateway: str = await steps.run("attach network", attach, release)
+        entry = CrewEntry(name=name, gateway=gateway, mode=row.mode, allow=row.allow)
+
+        async def add_to_proxy() -> None:
+            await self.proxy.add_crew(entry)
+
+        async def remove_from_proxy() -> None:
+            await self.proxy.remove_crew(name)
+
+        await steps.run("add to proxy", add_to_proxy, remove_from_proxy)
+        agent_spec = self._spec(row, agent_environment(self.config, gateway))
+
+        async def start_agent() -> None:
+            agent_id = await trio.to_thread.run_sync(self.provider.start_agent, agent_spec, pod)
+            self.store.update(name, agent_id=agent_id)
+
+        await steps.run("start agent", start_agent)
+
+        async def commit() -> None:
+            self.store.update(name, phase=CrewPhase.READY, error=None)
+
+        await steps.run("commit", commit)
+
+    async def _tear_down(self, name: str, *, keep_subnet: bool) -> None:
+        """Proxy, containers, network; each attempted even if an earlier one failed."""
+        errors: list[str] = []
+
+        async def from_proxy() -> None:
+            await self.proxy.remove_crew(name)
+
+        async def containers() -> None:
+            # The crew's volumes (HOME, tools) go with it only when the crew itself goes.
+            await trio.to_thread.run_sync(
+                functools.partial(self.provider.remove_crew, name, volumes=not keep_subnet)
+            )
+
+        async def network() -> None:
+            forget = self.networks.detach if keep_subnet else self.networks.release
+            await trio.to_thread.run_sync(forget, name)
+
+        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("remove from proxy", from_proxy),
+            ("remove containers", containers),
+            ("detach network", network),
+        ]
+        for step, work in steps:
+            try:
+                await work()
+            except Exception as exc:
+                errors.append(f"{step}: {exc}")
+                continue
+            if self.on_step is not None:
+                self.on_step(name, step)
+        if errors:
+            raise DaemonError(f"crew {name!r}: teardown incomplete: " + "; ".join(errors))
+
+    async def remove(self, name: str) -> None:
+        async with self.lock:
+            self._row(name)
+            self.store.update(name, phase=CrewPhase.REMOVING)
+            if self.on_step is not None:
+                self.on_step(name, "record removal")
+            with trio.CancelScope(shield=True):
+                await self._tear_down(name, keep_subnet=False)
+                self.store.delete(name)
+
+    async def allow(self, name: str, host: str) -> bool:
+        async with self.lock:
+            row = self._row(name)
+            try:
+                normalized = normalize_host(host)
+                Allowlist([normalized])
+            except (PolicyDenied, ValueError):
+                raise InvalidRequest(f"argument host: not a valid host name: {host!r}") from None
+            if row.phase is not CrewPhase.READY:
+                raise CrewBusy(f"crew {name!r} is {row.phase.value}, not ready")
+            # The state first: a crash after it is restored at the next start; the proxy's
+            # answer says whether the running policy changed.
+            if normalized not in row.allow:
+                self.store.update(name, allow=(*row.allow, normalized))
+            return await self.proxy.allow(name, normalized)
+
+    # -- run --------------------------------------------------------------------------------
+
+    async def run(
+        self, name: str, argv: tuple[str, ...], timeout: float | None
+    ) -> AsyncIterator[ExecOutput | ExecExited]:
+        row = self._row(name)
+        if row.phase is not CrewPhase.READY:
+            raise CrewBusy(f"crew {name!r} is {row.phase.value}, not ready")
+        if not argv:
+            raise InvalidRequest("argument argv: needs a command")
+        if timeout is not None and timeout <= 0:
+            raise InvalidRequest("argument timeout: must be > 0")
+        return self.provider.exec(name, list(argv), timeout=timeout)
+
+    # -- inspection -------------------------------------------------------------------------
+
+    async def info(
+        self, row: CrewRow, owned: list[OwnedContainer] | None = None
+    ) -> messages.CrewInfo:
+        if owned is None:
+            owned = await trio.to_thread.run_sync(self.provider.owned)
+        plan = self.networks.plan(row.name)
+        return messages.CrewInfo(
+            name=row.name,
+            phase=row.phase.value,
+            mode=row.mode,
+            allow=row.allow,
+            runtime=row.runtime,
+            memory_bytes=row.memory_bytes,
+            cpus=row.cpus,
+            created=row.created,
+            gateway=plan.gateway if plan else row.gateway,
+            address=plan.address if plan else None,
+            infra_id=row.infra_id,
+            agent_id=row.agent_id,
+            error=row.error,
+            containers=tuple(
+                messages.ContainerInfo(c.role.value, c.container_id, c.running)
+                for c in owned
+                if c.crew == row.name
+            ),
+        )
+
+    async def list_crews(self) -> list[messages.CrewInfo]:
+        owned = await trio.to_thread.run_sync(self.provider.owned)
+        return [await self.info(row, owned) for row in self.store.crews()]
+
+    async def show(self, name: str) -> messages.CrewInfo:
+        return await self.info(self._row(name))
+
+    # -- reconcile and shutdown -------------------------------------------------------------
+
+    async def reconcile(self) -> list[str]:
+        """Make the world match the state rows; returns what changed (docs/daemon.md rules)."""
+        changes: list[str] = []
+        async with self.lock:
+            report = await trio.to_thread.run_sync(self.networks.reconcile)
+            changes += [
+                f"network: {c.action} {c.detail}" + (f" ({c.crew})" if c.crew else "")
+                for c in report.changes
+            ]
+            prefix = self.config.crews.name_prefix
+            owned = [
+                c
+                for c in await trio.to_thread.run_sync(self.provider.owned)
+                if c.crew.startswith(prefix)
+            ]
+            rows = {row.name: row for row in self.store.crews()}
+            by_crew: dict[str, list[OwnedContainer]] = {}
+            for container in owned:
+                by_crew.setdefault(container.crew, []).append(container)
+
+            for crew in sorted(set(by_crew) - set(rows)):
+                await trio.to_thread.run_sync(self.provider.remove_crew, crew)
+                changes.append(f"{crew}: removed containers with no crew row")
+            for record in self.networks.records():
+                if record.crew not in rows:
+                    await trio.to_thread.run_sync(self.networks.release, record.crew)
+                    changes.append(f"{record.crew}: released network with no crew row")
+
+            for name, row in rows.items():
+                try:
+                    changes += await self._reconcile_row(row, by_crew.get(name, []))
+                except Exception as exc:
+                    log.exception("reconcile %s", name)
+                    changes.append(f"{name}: reconcile failed: {exc}")
+        for change in changes:
+            log.warning("reconcile: %s", change)
+        return changes
+
+    async def _reconcile_row(self, row: CrewRow, containers: list[OwnedContainer]) -> list[str]:
+        name = row.name
+        if row.phase in (CrewPhase.CREATING, CrewPhase.REMOVING):
+            await self._tear_down(name, keep_subnet=False)
+            self.store.delete(name)
+            what = (
+                "rolled back an interrupted create"
+                if row.phase is CrewPhase.CREATING
+                else ("finished an interrupted removal")
+            )
+            return [f"{name}: {what}"]
+        if row.phase is CrewPhase.FAILED:
+            if containers:
+                await self._tear_down(name, keep_subnet=True)
+                return [f"{name}: failed crew: removed its leftover containers"]
+            return []
+        roles = {c.role for c in containers if c.running}
+        record = {r.crew: r for r in self.networks.records()}.get(name)
+        healthy = (
+            row.phase is CrewPhase.READY
+            and roles >= {ContainerRole.INFRA, ContainerRole.AGENT}
+            and record is not None
+            and record.phase.value == "ready"
+        )
+        if healthy:
+            plan = self.networks.plan(name)
+            assert plan is not None
+            await self.proxy.add_crew(
+                CrewEntry(name=name, gateway=plan.gateway, mode=row.mode, allow=row.allow)
+            )
+            return []
+        why = "was stopped" if row.phase is CrewPhase.STOPPED else "lost a container or its network"
+        await self._tear_down(name, keep_subnet=True)
+        # "stopped" while it is re-created: a crash now makes the next start try again, where
+        # "creating" would roll the crew back (delete it).
+        self.store.update(name, phase=CrewPhase.STOPPED)
+        try:
+            await self._bring_up(row, _Steps(name, self.on_step))
+        except StepFailed as exc:
+            self.store.update(name, phase=CrewPhase.FAILED, error=str(exc))
+            return [f"{name}: {why}; re-creating it failed, marked failed: {exc}"]
+        return [f"{name}: {why}; re-created"]
+
+    async def stop_all(self) -> None:
+        """stop_crews_on_exit: tear every crew down, keep the rows as "stopped"."""
+        async with self.lock:
+            for row in self.store.crews():
+                if row.phase is CrewPhase.READY:
+                    try:
+                        await self._tear_down(row.name, keep_subnet=True)
+                    except DaemonError as exc:
+                        log.error("stopping %s: %s", row.name, exc)
+                    self.store.update(row.name, phase=CrewPhase.STOPPED)

@@ -1,0 +1,188 @@
+"""applianced: the control plane's trio main.
+
+Theory of operation
+-------------------
+    lock the state directory (flock: one daemon per state)
+    open the state (SQLite) and the crews' networks (netns, its own state file under net/)
+    start the proxy child (supervised; restarted and re-fed its crews if it dies)
+    reconcile (docs/daemon.md): the world is made to match the state rows
+    open the admin socket (only now: no request sees a half-reconciled state)
+    ... serve until SIGTERM/SIGINT ...
+    stop_crews_on_exit: tear the crews down (rows kept as "stopped"); else leave them running
+    close the admin socket, stop the proxy (its channel closes), release the lock
+
+Crews keep running while applianced is down (their containers belong to the engine), but their
+proxy does not: the proxy exits when applianced's end of its channel closes, so a crew without a
+daemon reaches nothing (fail closed), and the next start serves it again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from appliance.runtime.base import RuntimeProvider
+from netns import CrewNetworks
+
+from . import messages
+from .api import AdminServer
+from .config import ApplianceConfig
+from .crews import CrewManager, StepHook, kill_hook_from_env
+from .errors import ConfigInvalid, DaemonError, Unavailable
+from .proxy import ProxyChild
+from .state import CrewPhase, StateStore
+
+log = logging.getLogger("applianced")
+
+LOCK_FILE = "applianced.lock"
+
+
+def load_provider(config: ApplianceConfig) -> RuntimeProvider:
+    """`docker`, or `module:factory` called with the config (tests, development)."""
+    spec = config.daemon.provider
+    if spec == "docker":
+        from appliance.runtime.docker import DockerProvider
+
+        return DockerProvider.connect()
+    module_name, sep, attribute = spec.partition(":")
+    if not sep:
+        raise ConfigInvalid(f"`daemon.provider`: {spec!r} is not 'docker' or 'module:factory'")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigInvalid(f"`daemon.provider`: cannot load {spec!r}: {exc}") from None
+    made: RuntimeProvider = factory(config)
+    return made
+
+
+def resolve_images(config: ApplianceConfig) -> tuple[str, str]:
+    """(agent, infra) image tags: configured, or built/found by images.build for Docker."""
+    agent, infra = config.images.agent, config.images.infra
+    if agent and infra:
+        return agent, infra
+    if config.daemon.provider != "docker":
+        return agent or "none", infra or "none"
+    from images.build import ensure_images
+
+    # Built once per recipe and cached (images/); a no-op when the tagged images exist.
+    tags = ensure_images()
+    return agent or tags.agent, infra or tags.infra
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: ApplianceConfig,
+        provider: RuntimeProvider,
+        *,
+        on_step: StepHook | None = None,
+    ) -> None:
+        self.config = config
+        self.provider = provider
+        self.on_step = on_step
+        self.state_dir = Path(config.daemon.state_dir)
+        self.started = time.time()
+        self.reconcile_changes: tuple[str, ...] = ()
+        self._lock_fd: int | None = None
+        self.networks: CrewNetworks
+        self.crews: CrewManager
+        self.proxy: ProxyChild
+
+    def _lock_state(self) -> None:
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)  # the state names every crew's policy: root only
+        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Unavailable(f"another applianced holds {self.state_dir}") from None
+        self._lock_fd = fd
+
+    async def status(self) -> messages.Status:
+        rows = self.crews.store.crews()
+        return messages.Status(
+            pid=os.getpid(),
+            state_dir=str(self.state_dir),
+            admin_socket=self.config.daemon.admin_socket,
+            provider=self.provider.name,
+            isolated=self.provider.isolated,
+            runtimes=await self.crews.runtimes(),
+            proxy_pid=self.proxy.pid,
+            proxy_alive=await self.proxy.ping(),
+            proxy_restarts=self.proxy.restarts,
+            proxy_port=self.config.daemon.proxy_port,
+            crews=len(rows),
+            crews_ready=sum(1 for r in rows if r.phase is CrewPhase.READY),
+            started=self.started,
+            reconcile=self.reconcile_changes,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._lock_state()
+        store = StateStore(self.state_dir)
+        networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
+        try:
+            self.networks = networks
+            self.proxy = ProxyChild(
+                self.config.proxy_config(), self.state_dir, self.config.daemon.proxy_port
+            )
+            images = await trio.to_thread.run_sync(resolve_images, self.config)
+            self.crews = CrewManager(
+                self.config,
+                self.provider,
+                networks,
+                store,
+                self.proxy,
+                images,
+                on_step=self.on_step,
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.proxy.run)
+                self.reconcile_changes = tuple(await self.crews.reconcile())
+                await nursery.start(AdminServer(self).serve, self.config.daemon.admin_socket)
+                print(
+                    f"applianced: ready (pid {os.getpid()}, admin socket "
+                    f"{self.config.daemon.admin_socket}, provider {self.provider.name})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                task_status.started()
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.warning("signal %d: shutting down", signum)
+                        break
+                if self.config.daemon.stop_crews_on_exit:
+                    await self.crews.stop_all()
+                nursery.cancel_scope.cancel()
+        finally:
+            networks.close()
+            store.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+
+
+def run_daemon(config: ApplianceConfig) -> int:
+    """The foreground daemon; returns the process exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
+    try:
+        provider = load_provider(config)
+        daemon = Daemon(config, provider, on_step=kill_hook_from_env())
+        trio.run(daemon.run)
+    except DaemonError as exc:
+        print(f"applianced: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:  # netns pool conflicts, state errors: say it, exit non-zero
+        if type(exc).__module__.startswith(("netns", "appliance", "images")):
+            print(f"applianced: {exc}", file=sys.stderr, flush=True)
+            return 1
+        raise
+    return 0

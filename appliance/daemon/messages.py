@@ -1,0 +1,102 @@
+"""The admin API's typed bodies (msgspec Structs), shared by applianced and appliancectl.
+
+Requests are decoded with `forbid_unknown_fields`, so a misspelled field is an error that names
+it. Every error answer is `ErrorBody` with the HTTP status of the error (see errors.py). `run`
+answers with chunked JSON lines: `RunOutput` per line of output, then one `RunExit`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class CreateCrew(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    mode: str = "restricted"
+    allow: tuple[str, ...] = ()
+    runtime: str | None = None  # None: [crews] default_runtime
+    memory_bytes: int | None = None
+    cpus: float | None = None
+
+
+class AllowHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str
+
+
+class RunCommand(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    argv: tuple[str, ...]
+    timeout: float | None = None
+
+
+class ContainerInfo(msgspec.Struct, frozen=True):
+    role: str
+    container_id: str
+    running: bool
+
+
+class CrewInfo(msgspec.Struct, frozen=True):
+    name: str
+    phase: str
+    mode: str
+    allow: tuple[str, ...]
+    runtime: str
+    memory_bytes: int
+    cpus: float
+    created: float
+    gateway: str | None = None
+    address: str | None = None
+    infra_id: str | None = None
+    agent_id: str | None = None
+    error: str | None = None
+    containers: tuple[ContainerInfo, ...] = ()
+
+
+class CrewList(msgspec.Struct, frozen=True):
+    crews: tuple[CrewInfo, ...]
+
+
+class AllowResult(msgspec.Struct, frozen=True):
+    crew: str
+    host: str
+    changed: bool
+
+
+class Removed(msgspec.Struct, frozen=True):
+    crew: str
+    removed: bool = True
+
+
+class Status(msgspec.Struct, frozen=True):
+    pid: int
+    state_dir: str
+    admin_socket: str
+    provider: str
+    isolated: bool
+    runtimes: tuple[str, ...]
+    proxy_pid: int | None
+    proxy_alive: bool
+    proxy_restarts: int
+    proxy_port: int
+    crews: int
+    crews_ready: int
+    started: float
+    reconcile: tuple[str, ...]  # what the reconciliation at start changed
+
+
+class RunOutput(msgspec.Struct, frozen=True):
+    stream: str
+    line: str
+
+
+class RunExit(msgspec.Struct, frozen=True):
+    exit_code: int
+    timed_out: bool = False
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    error: str
+    message: str
+
+
+RunEvent = RunOutput | RunExit
+encoder = msgspec.json.Encoder()

@@ -1,0 +1,244 @@
+"""A real applianced for the tests: its own state directory, admin socket, address pool, nftables
+table, interface prefix and crew-name prefix, so it never touches anything it did not create
+(another test session's crews, or a real appliance's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import PLAIN_NAMES, PROVIDER_NAMES, ROOT, free_port, proxy_env
+
+
+def needs_root_and_docker() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("applianced needs root")
+    try:
+        import docker
+
+        docker.from_env(timeout=5).ping()
+    except Exception as exc:
+        pytest.skip(f"no Docker engine: {exc}")
+
+
+def busybox_images() -> tuple[str, str]:
+    """(agent, infra): the runtime tests' busybox image (built locally in a second, no
+    registry) serves as both; the real images (images/) take minutes to build."""
+    import docker
+
+    from tests.runtime_images import ensure_test_image
+
+    try:
+        tag = ensure_test_image(docker.from_env())
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return tag, tag
+
+
+def _routes_any(networks: list[str]) -> bool:
+    out = subprocess.run(
+        ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True
+    )
+    return any(net.rsplit(".", 2)[0] in out.stdout for net in networks)
+
+
+@dataclass
+class Appliance:
+    tmp: Path
+    tag: str
+    provider_port: int
+    plain_port: int
+    ca_file: str
+    pool: str = ""
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    logs: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for _ in range(20):
+            pool = f"100.91.{random.randrange(256)}.0/24"
+            if not _routes_any([pool]):
+                self.pool = pool
+                break
+        else:
+            pytest.skip("no free test pool")
+        self.port = free_port()
+        self.state_dir = self.tmp / "state"
+        self.socket = self.tmp / "run" / "admin.sock"
+        self.config = self.tmp / "appliance.toml"
+        self.table = f"appliance_test_{self.tag}"
+        self.prefix = f"t{self.tag}"
+        self.name_prefix = f"t{self.tag}-"
+
+    def crew(self, short: str) -> str:
+        return f"{self.name_prefix}{short}"
+
+    def write_config(self, agent: str, infra: str, **daemon: Any) -> None:
+        resolve = ", ".join(f'"{n}" = "127.0.0.1"' for n in [*PROVIDER_NAMES, *PLAIN_NAMES])
+        extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in daemon.items())
+        self.config.write_text(
+            f"""
+[daemon]
+state_dir = "{self.state_dir}"
+admin_socket = "{self.socket}"
+proxy_port = {self.port}
+{extra}
+[images]
+agent = "{agent}"
+infra = "{infra}"
+
+[crews]
+name_prefix = "{self.name_prefix}"
+default_memory_bytes = 268435456
+
+[net]
+pool = "{self.pool}"
+table = "{self.table}"
+ifname_prefix = "{self.prefix}"
+
+[proxy.providers.anthropic]
+base_url = "https://api.anthropic.test:{self.provider_port}"
+credential_env = "TEST_ANTHROPIC_KEY"
+
+[proxy.providers.openai]
+base_url = "https://api.openai.test:{self.provider_port}/v1"
+credential_env = "TEST_OPENAI_KEY"
+
+[proxy.providers.google]
+base_url = "https://generativelanguage.googleapis.test:{self.provider_port}"
+credential_env = "TEST_GOOGLE_KEY"
+
+[proxy.upstream]
+ca_file = "{self.ca_file}"
+ssrf_allow = ["127.0.0.0/8"]
+resolve = {{ {resolve} }}
+"""
+        )
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        log = self.tmp / f"applianced-{len(self.logs)}.log"
+        self.logs.append(log)
+        environment = proxy_env()
+        environment.update(env or {})
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "appliance.cli", "up", "--config", str(self.config)],
+                env=environment,
+                stdout=out,
+                stderr=out,
+                cwd=ROOT,
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"applianced exited: {self.log_text()}")
+            if "applianced: ready" in self.log_text():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"applianced not ready: {self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.logs[-1].read_text(errors="replace") if self.logs else ""
+
+    def ctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "appliance.cli", "--socket", str(self.socket), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=proxy_env(),
+            cwd=ROOT,
+        )
+
+    def ctl_json(self, *args: str) -> tuple[int, Any]:
+        done = self.ctl("--json", *args)
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        return done.returncode, json.loads(lines[-1]) if lines else None
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    # -- what exists in the world -------------------------------------------------------------
+
+    def containers(self) -> list[str]:
+        out = subprocess.run(
+            [
+                "docker",
+                "ps",
+                "-a",
+                "--filter",
+                "label=io.agent-appliance.owner",
+                "--format",
+                '{{.Label "io.agent-appliance.crew"}} {{.State}}',
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return [line for line in out.splitlines() if line.startswith(self.name_prefix)]
+
+    def links(self) -> list[str]:
+        out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        return [
+            line.split(":")[1].strip().split("@")[0]
+            for line in out.splitlines()
+            if line.split(":")[1].strip().startswith(self.prefix)
+        ]
+
+    def chains(self) -> list[str]:
+        done = subprocess.run(
+            ["nft", "list", "table", "inet", self.table], capture_output=True, text=True
+        )
+        return [
+            line.split()[1]
+            for line in done.stdout.splitlines()
+            if line.strip().startswith("chain crew_")
+        ]
+
+    def cleanup(self) -> None:
+        self.stop()
+        for line in self.containers():
+            crew = line.split()[0]
+            subprocess.run(
+                ["docker", "rm", "-f", f"appliance-{crew}-agent", f"appliance-{crew}-infra"],
+                capture_output=True,
+            )
+        for link in self.links():
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        remove_volumes(self.name_prefix)
+
+
+def new_appliance(tmp: Path, provider_port: int, plain_port: int, ca_file: str) -> Appliance:
+    return Appliance(tmp, uuid.uuid4().hex[:4], provider_port, plain_port, ca_file)
+
+
+def remove_volumes(prefix: str) -> None:
+    out = subprocess.run(
+        ["docker", "volume", "ls", "-q", "--filter", f"name=appliance-{prefix}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    if out:
+        subprocess.run(["docker", "volume", "rm", "-f", *out], capture_output=True)
