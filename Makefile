@@ -16,7 +16,7 @@ NATIVE_SRC := $(wildcard native/src/*.c native/src/*.h) native/_build_headscan.p
 	native/_build_scrub.py
 NATIVE_LIB := native/.built
 
-.PHONY: demo images test install native native-sanitize lint types unit fuzz-smoke bench clean
+.PHONY: demo engine images test install native native-sanitize lint types unit fuzz-smoke bench clean
 
 install: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -34,13 +34,18 @@ $(NATIVE_LIB): $(VENV)/.installed $(NATIVE_SRC)
 
 # The base, infra and agent images, built locally (debootstrap, npm, docker import); a tag that
 # already exists for the recipe's hash is a cache hit. See images/README.md.
-images: install
+# A Docker engine answering on /var/run/docker.sock, runsc registered: started when nothing
+# answers (machines without an init system: development, CI). An operator's host runs its own.
+engine: install
+	$(BIN)/python -c 'from appliance.runtime.engine import ensure_dockerd; ensure_dockerd()'
+
+images: install engine
 	$(BIN)/python -m images.build
 
 demo: install images
 	$(BIN)/appliancectl demo
 
-test: install lint types unit fuzz-smoke native-sanitize
+test: install lint types images unit fuzz-smoke native-sanitize
 
 # The native tests and a fuzz run again, on modules built with ASan + UBSan (issue #4 asks for
 # it of every C module), then the normal build back. Python itself is not instrumented, so the
