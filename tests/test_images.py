@@ -101,7 +101,9 @@ def test_second_call_is_a_fast_cache_hit(images: ImageSet) -> None:
     again = ensure_images()
     elapsed = time.monotonic() - started
     assert again == images
-    assert elapsed < 1.0, f"a cache hit took {elapsed:.2f} s"
+    # Three `docker image inspect` calls (about 0.1 s); the bound is loose on purpose: what the
+    # test holds is that nothing is built, not a timing (a busy engine answers slower).
+    assert elapsed < 10.0, f"a cache hit took {elapsed:.2f} s"
     assert not any(result.built for result in build_images().values())
 
 
