@@ -481,6 +481,7 @@ def _import_tree(
             )
         if verify is not None:
             verify(image_id)
+        previous = _docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
         tagged = _docker("tag", image_id, tag)
         if tagged.returncode != 0:
             raise BuildStepError("tag", tagged.stderr.strip())
@@ -488,6 +489,10 @@ def _import_tree(
         if image_id:
             _docker("image", "rm", "--force", image_id)
         raise
+    # A rebuild (--rebuild) moved the tag: the image it named goes too, unless something still
+    # uses it or another tag names it (no --force), so no nameless image is left behind.
+    if previous and previous != image_id:
+        _docker("image", "rm", previous)
 
 
 def _labels(kind: Kind, recipe_hash: str, extra: dict[str, str] | None = None) -> list[str]:

@@ -118,6 +118,11 @@ def test_cli_reports_a_cache_hit_as_json(images: ImageSet) -> None:
     assert {kind: report[kind]["tag"] for kind in report} == dataclasses.asdict(images)
     assert not any(entry["built"] for entry in report.values())
     assert "Warning" not in run.stderr
+    only = subprocess.run(
+        [sys.executable, "-m", "images.build", "--only", "infra", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert list(json.loads(only.stdout)) == ["infra"]
 
 
 def test_agent_image_runs_hardened_as_1001_with_its_tools(images: ImageSet) -> None:
