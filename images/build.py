@@ -34,6 +34,8 @@ the verified npm tarball. Builds hold an exclusive lock on the cache directory, 
 
 The cached trees are snapshots: an unchanged recipe does not pick up Debian updates published later.
 ``--rebuild`` (``force=True``) drops the cached trees and rebuilds everything from the archive.
+Nothing is pruned as a side effect of a build (checkouts with different recipes may share the
+cache); ``--prune`` untags images and drops cached files that the current recipes do not name.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ _SUITE = re.compile(r"[a-z]+")
 _USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 _NPM_PACKAGE = re.compile(r"(@[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*")
 _VERSION = re.compile(r"\d+\.\d+\.\d+")
+_REPOSITORY = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
 _CFLAG = re.compile(r"-[A-Za-z0-9=_.,+-]+")
 
 
@@ -204,6 +207,12 @@ class Recipes:
     base: BaseRecipe = field(default_factory=BaseRecipe)
     infra: InfraRecipe = field(default_factory=InfraRecipe)
     agent: AgentRecipe = field(default_factory=AgentRecipe)
+    # Where the tags go (`<repository>/<kind>:<hash>`); not part of any hash. Tests build their
+    # variants under a repository of their own, so pruning them never touches the real images.
+    repository: str = REPOSITORY
+
+    def __post_init__(self) -> None:
+        _check("repository", self.repository, _REPOSITORY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,14 +294,15 @@ def recipe_hashes(recipes: Recipes) -> dict[Kind, str]:
     return {"base": base, "infra": infra, "agent": agent}
 
 
-def image_tag(kind: Kind, recipe_hash: str) -> str:
-    return f"{REPOSITORY}/{kind}:{recipe_hash[:16]}"
+def image_tag(kind: Kind, recipe_hash: str, repository: str = REPOSITORY) -> str:
+    return f"{repository}/{kind}:{recipe_hash[:16]}"
 
 
 def image_tags(recipes: Recipes | None = None) -> ImageSet:
     """The tags the recipes name, whether or not they are built (nothing is run)."""
-    hashes = recipe_hashes(recipes or Recipes())
-    return ImageSet(**{kind: image_tag(kind, hashes[kind]) for kind in KINDS})
+    recipes = recipes or Recipes()
+    hashes = recipe_hashes(recipes)
+    return ImageSet(**{kind: image_tag(kind, hashes[kind], recipes.repository) for kind in KINDS})
 
 
 # -- running things --------------------------------------------------------------------------------
@@ -471,6 +481,7 @@ def _import_tree(
             )
         if verify is not None:
             verify(image_id)
+        previous = _docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
         tagged = _docker("tag", image_id, tag)
         if tagged.returncode != 0:
             raise BuildStepError("tag", tagged.stderr.strip())
@@ -478,6 +489,10 @@ def _import_tree(
         if image_id:
             _docker("image", "rm", "--force", image_id)
         raise
+    # A rebuild (--rebuild) moved the tag: the image it named goes too, unless something still
+    # uses it or another tag names it (no --force), so no nameless image is left behind.
+    if previous and previous != image_id:
+        _docker("image", "rm", previous)
 
 
 def _labels(kind: Kind, recipe_hash: str, extra: dict[str, str] | None = None) -> list[str]:
@@ -513,7 +528,7 @@ class _Builder:
     # The pristine debootstrap tree, cached by debootstrap_key.
     def debootstrap_tree(self) -> Path:
         recipe = self.recipes.base
-        final = self.trees / f"debootstrap-{debootstrap_key(recipe)[:16]}"
+        final = self.trees / _debootstrap_tree_name(recipe)
         if final.is_dir():
             return final
         require_tool("debootstrap", "apt-get install debootstrap")
@@ -532,13 +547,12 @@ class _Builder:
             "debootstrap", argv, log_file=self.log_file, timeout=NETWORK_STEP_TIMEOUT,
             hint="is Debian's package archive reachable?",
         )  # fmt: skip
-        self._prune("debootstrap-")
         target.rename(final)
         return final
 
     # The base image's tree, cached by the base recipe hash; the agent starts from a copy.
     def base_tree(self) -> Path:
-        final = self.trees / f"base-{self.hashes['base'][:16]}"
+        final = self.trees / _base_tree_name(self.hashes["base"])
         if final.is_dir():
             return final
         pristine = self.debootstrap_tree()
@@ -553,14 +567,13 @@ class _Builder:
             log_file=self.log_file, hint="is Debian's package archive reachable?",
         )  # fmt: skip
         (target / "tmp" / "base-setup.sh").unlink()
-        self._prune("base-")
         target.rename(final)
         return final
 
-    def _prune(self, prefix: str) -> None:
-        """Older cached trees of the same kind are superseded by the one being made."""
-        for old in self.trees.glob(f"{prefix}*"):
-            _remove_tree(old)
+    def drop_cached_trees(self) -> None:
+        """For a rebuild from the archive: the trees these recipes name go."""
+        _remove_tree(self.trees / _debootstrap_tree_name(self.recipes.base))
+        _remove_tree(self.trees / _base_tree_name(self.hashes["base"]))
 
     def build_base(self, tag: str) -> None:
         tree = self.base_tree()
@@ -607,9 +620,7 @@ class _Builder:
         pin = self.recipes.agent.claude_code
         npm_cache = self.cache_dir / "npm"
         npm_cache.mkdir(exist_ok=True)
-        digest = base64.b64decode(pin.integrity.removeprefix("sha512-")).hex()[:16]
-        name = pin.package.strip("@").replace("/", "-")
-        cached = npm_cache / f"{name}-{pin.version}-{digest}.tgz"
+        cached = npm_cache / _npm_tarball_name(pin)
         if cached.is_file() and _integrity(cached) == pin.integrity:
             return cached
         require_tool("npm", "apt-get install npm")
@@ -657,7 +668,7 @@ class _Builder:
             changes=[
                 *_labels("agent", self.hashes["agent"],
                          {LABEL_CLAUDE_CODE: recipe.claude_code.version}),
-                f"ENV PATH={PATH_VALUE}", f"ENV HOME={recipe.home}",
+                f"ENV PATH={PATH_VALUE}", f"ENV HOME={recipe.home}", "ENV LANG=C.UTF-8",
                 f"USER {recipe.uid}:{recipe.uid}", f"WORKDIR {recipe.home}",
                 'CMD ["/bin/bash"]',
             ],
@@ -665,6 +676,26 @@ class _Builder:
             verify=lambda image_id: _smoke_agent(image_id, recipe),
         )  # fmt: skip
         _remove_tree(root.parent)
+
+
+# Cached trees are never pruned as a side effect of a build: several checkouts with different
+# recipes may share one cache directory. prune_cache (--prune) drops what the recipes do not name.
+def _debootstrap_tree_name(recipe: BaseRecipe) -> str:
+    return f"debootstrap-{debootstrap_key(recipe)[:16]}"
+
+
+def _base_tree_name(base_hash: str) -> str:
+    return f"base-{base_hash[:16]}"
+
+
+def cached_tree_names(recipes: Recipes) -> tuple[str, str]:
+    """The cache's tree names for these recipes: the pristine debootstrap tree, the base tree."""
+    return _debootstrap_tree_name(recipes.base), _base_tree_name(recipe_hashes(recipes)["base"])
+
+
+def _npm_tarball_name(pin: ClaudeCodePin) -> str:
+    digest = base64.b64decode(pin.integrity.removeprefix("sha512-")).hex()[:16]
+    return f"{pin.package.strip('@').replace('/', '-')}-{pin.version}-{digest}.tgz"
 
 
 def _integrity(path: Path) -> str:
@@ -752,7 +783,7 @@ def build_images(
     missing: list[Kind] = []
     for kind in kinds:
         started = time.monotonic()
-        tag = image_tag(kind, hashes[kind])
+        tag = image_tag(kind, hashes[kind], recipes.repository)
         if not force and _recipe_label(tag) == hashes[kind]:
             results[kind] = ImageResult(kind, tag, hashes[kind], False, time.monotonic() - started)
         else:
@@ -769,11 +800,11 @@ def build_images(
         work = Path(tempfile.mkdtemp(prefix="build-", dir=work_root))
         builder = _Builder(recipes, cache_dir, log, work)
         if force:
-            builder._prune("")
+            builder.drop_cached_trees()
         try:
             for kind in missing:
                 started = time.monotonic()
-                tag = image_tag(kind, hashes[kind])
+                tag = image_tag(kind, hashes[kind], recipes.repository)
                 # Someone else may have built it while this run waited for the lock.
                 built = force or _recipe_label(tag) != hashes[kind]
                 if built:
@@ -801,20 +832,42 @@ def prune_images(recipes: Recipes | None = None) -> tuple[list[str], list[str]]:
     Returns (removed, kept): an image a container still uses is kept (no --force), so pruning
     never pulls the root file system from under a running crew.
     """
+    recipes = recipes or Recipes()
     current = set(dataclasses.asdict(image_tags(recipes)).values())
     removed: list[str] = []
     kept: list[str] = []
     for kind in KINDS:
         listed = _docker(
-            "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", f"{REPOSITORY}/{kind}"
+            "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", f"{recipes.repository}/{kind}"
         )
         if listed.returncode != 0:
             raise _engine_error(listed)
         for tag in listed.stdout.split():
-            if tag in current or tag.endswith(":<none>"):
+            # Only tags this module made (a recipe hash); a tag someone else gave stays.
+            if tag in current or not re.fullmatch(r"[0-9a-f]{16}", tag.rpartition(":")[2]):
                 continue
             (removed if _docker("image", "rm", tag).returncode == 0 else kept).append(tag)
     return removed, kept
+
+
+def prune_cache(recipes: Recipes | None = None, cache_dir: Path | None = None) -> list[Path]:
+    """Remove the cached trees and npm tarballs that the recipes do not name; returns them."""
+    recipes = recipes or Recipes()
+    cache_dir = cache_dir or default_cache_dir()
+    if not cache_dir.is_dir():
+        return []
+    wanted = {*cached_tree_names(recipes), _npm_tarball_name(recipes.agent.claude_code)}
+    removed: list[Path] = []
+    with _locked(cache_dir):
+        for folder in (cache_dir / "trees", cache_dir / "npm"):
+            for entry in sorted(folder.glob("*")) if folder.is_dir() else []:
+                if entry.name not in wanted:
+                    if entry.is_dir():
+                        _remove_tree(entry)
+                    else:
+                        entry.unlink()
+                    removed.append(entry)
+    return removed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -830,7 +883,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rebuild", action="store_true", help="ignore every cache and rebuild")
     parser.add_argument("--tags", action="store_true", help="print the tags only; build nothing")
     parser.add_argument(
-        "--prune", action="store_true", help="then untag images that older recipes named"
+        "--prune",
+        action="store_true",
+        help="then untag images and drop cached trees that older recipes named",
     )
     args = parser.parse_args(argv)
     kinds: list[Kind] = args.only or list(KINDS)
@@ -841,13 +896,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         results = build_images(kinds, cache_dir=args.cache_dir, force=args.rebuild)
         removed, kept = prune_images() if args.prune else ([], [])
+        dropped = prune_cache(cache_dir=args.cache_dir) if args.prune else []
     except ImageError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     if args.json:
         report: dict[str, object] = {k: dataclasses.asdict(r) for k, r in results.items()}
         if args.prune:
-            report["pruned"] = {"removed": removed, "kept_in_use": kept}
+            report["pruned"] = {
+                "removed": removed,
+                "kept_in_use": kept,
+                "cache": [str(path) for path in dropped],
+            }
         print(json.dumps(report))
     else:
         for result in results.values():
@@ -857,6 +917,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"pruned {tag}")
         for tag in kept:
             print(f"kept   {tag} (a container uses it)")
+        for path in dropped:
+            print(f"pruned {path}")
     return 0
 
 

@@ -33,14 +33,18 @@ from images.build import (
     Recipes,
     ToolMissingError,
     build_images,
+    cached_tree_names,
     ensure_images,
     image_tag,
     image_tags,
+    prune_cache,
     prune_images,
     recipe_hashes,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+# The images the tests build from recipes of their own go here, never next to the real ones.
+TEST_REPOSITORY = "agent-appliance-test"
 
 
 def _engine_answers() -> bool:
@@ -116,21 +120,26 @@ def test_cli_reports_a_cache_hit_as_json(images: ImageSet) -> None:
     assert {kind: report[kind]["tag"] for kind in report} == dataclasses.asdict(images)
     assert not any(entry["built"] for entry in report.values())
     assert "Warning" not in run.stderr
+    only = subprocess.run(
+        [sys.executable, "-m", "images.build", "--only", "infra", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert list(json.loads(only.stdout)) == ["infra"]
 
 
 def test_agent_image_runs_hardened_as_1001_with_its_tools(images: ImageSet) -> None:
     script = (
-        "id -u; id -g; echo $HOME; pwd; git --version; curl --version | head -n1;"
+        "id -u; id -g; echo $HOME; pwd; echo $LANG; git --version; curl --version | head -n1;"
         " python3 --version; node --version; claude --version"
     )
     run = docker("run", *HARDENED, images.agent, "sh", "-c", script)
     lines = run.stdout.splitlines()
-    assert lines[:4] == ["1001", "1001", "/home/agent", "/home/agent"]
-    assert lines[4].startswith("git version ")
-    assert lines[5].startswith("curl ")
-    assert lines[6].startswith("Python 3.")
-    assert re.fullmatch(r"v\d+\.\d+\.\d+", lines[7])
-    assert re.match(r"\d+\.\d+\.\d+", lines[8]) and ClaudeCodePin().version in lines[8]
+    assert lines[:5] == ["1001", "1001", "/home/agent", "/home/agent", "C.UTF-8"]
+    assert lines[5].startswith("git version ")
+    assert lines[6].startswith("curl ")
+    assert lines[7].startswith("Python 3.")
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", lines[8])
+    assert re.match(r"\d+\.\d+\.\d+", lines[9]) and ClaudeCodePin().version in lines[9]
 
 
 def test_agent_image_has_no_setuid_programs_and_a_read_only_root(images: ImageSet) -> None:
@@ -211,9 +220,13 @@ def test_any_change_to_a_recipe_changes_its_hash(tmp_path: Path) -> None:
 
 
 def test_changed_infra_recipe_builds_a_new_image(images: ImageSet, tmp_path: Path) -> None:
-    recipes = Recipes(infra=InfraRecipe(cflags=(*InfraRecipe().cflags, "-DTEST_IMAGES_VARIANT")))
+    recipes = Recipes(
+        infra=InfraRecipe(cflags=(*InfraRecipe().cflags, "-DTEST_IMAGES_VARIANT")),
+        repository=TEST_REPOSITORY,
+    )
     new_hash = recipe_hashes(recipes)["infra"]
-    tag = image_tag("infra", new_hash)
+    assert new_hash != recipe_hashes(Recipes())["infra"]
+    tag = image_tag("infra", new_hash, TEST_REPOSITORY)
     assert tag != images.infra
     docker("image", "rm", "--force", tag, check=False)
     try:
@@ -229,30 +242,65 @@ def test_changed_infra_recipe_builds_a_new_image(images: ImageSet, tmp_path: Pat
 
 def test_prune_untags_older_images_but_not_one_in_use(images: ImageSet, tmp_path: Path) -> None:
     old_recipes = [
-        Recipes(infra=InfraRecipe(cflags=(*InfraRecipe().cflags, f"-DTEST_PRUNE_{n}")))
+        Recipes(
+            infra=InfraRecipe(cflags=(*InfraRecipe().cflags, f"-DTEST_PRUNE_{n}")),
+            repository=TEST_REPOSITORY,
+        )
         for n in (1, 2)
     ]
-    old_tags = [image_tag("infra", recipe_hashes(r)["infra"]) for r in old_recipes]
+    old_tags = [image_tag("infra", recipe_hashes(r)["infra"], TEST_REPOSITORY) for r in old_recipes]
     container = f"test-images-prune-{os.getpid()}"
+    other = f"{TEST_REPOSITORY}/infra:kept-{os.getpid()}"  # a tag this module did not make
     try:
         for recipes in old_recipes:
             build_images(["infra"], recipes=recipes, cache_dir=tmp_path, log=lambda _: None)
         docker("create", "--name", container, old_tags[1])
-        removed, kept = prune_images()
+        docker("tag", old_tags[0], other)
+        removed, kept = prune_images(Recipes(repository=TEST_REPOSITORY))
         assert old_tags[0] in removed and not image_exists(old_tags[0])
+        assert other not in removed and image_exists(other)
         assert old_tags[1] in kept and image_exists(old_tags[1])
         assert all(image_exists(tag) for tag in dataclasses.asdict(images).values())
     finally:
         docker("rm", "--force", container, check=False)
-        for tag in old_tags:
+        for tag in [*old_tags, other]:
             docker("image", "rm", "--force", tag, check=False)
+
+
+def test_prune_cache_keeps_what_the_recipes_name(tmp_path: Path) -> None:
+    recipes = Recipes()
+    named = cached_tree_names(recipes)
+    for name in [*named, "base-0123456789abcdef", "debootstrap-0123456789abcdef"]:
+        (tmp_path / "trees" / name).mkdir(parents=True)
+        (tmp_path / "trees" / name / "etc").mkdir()
+    (tmp_path / "npm").mkdir()
+    (tmp_path / "npm" / "old-claude.tgz").write_bytes(b"x")
+    removed = prune_cache(recipes, tmp_path)
+    assert sorted(path.name for path in removed) == [
+        "base-0123456789abcdef", "debootstrap-0123456789abcdef", "old-claude.tgz",
+    ]  # fmt: skip
+    assert sorted(path.name for path in (tmp_path / "trees").iterdir()) == sorted(named)
+
+
+def test_a_tree_with_a_mount_inside_is_never_deleted(tmp_path: Path) -> None:
+    stale = tmp_path / "trees" / "base-0123456789abcdef"
+    (stale / "proc").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(stale / "proc")], check=True)
+    try:
+        (stale / "proc" / "keep").write_text("host file")
+        with pytest.raises(BuildStepError) as refused:
+            prune_cache(Recipes(), tmp_path)
+        assert refused.value.step == "cleanup"
+        assert (stale / "proc" / "keep").read_text() == "host file"
+    finally:
+        subprocess.run(["umount", str(stale / "proc")], check=True)
 
 
 def test_a_failed_build_names_its_step_and_tags_nothing(tmp_path: Path) -> None:
     broken = tmp_path / "pause.c"
     broken.write_text("int main(void) { return not_declared; }\n")
-    recipes = Recipes(infra=InfraRecipe(source=broken))
-    tag = image_tag("infra", recipe_hashes(recipes)["infra"])
+    recipes = Recipes(infra=InfraRecipe(source=broken), repository=TEST_REPOSITORY)
+    tag = image_tag("infra", recipe_hashes(recipes)["infra"], TEST_REPOSITORY)
     with pytest.raises(BuildStepError) as failed:
         build_images(["infra"], recipes=recipes, cache_dir=tmp_path / "cache", log=lambda _: None)
     assert failed.value.step == "compile pause"
@@ -263,8 +311,8 @@ def test_a_failed_build_names_its_step_and_tags_nothing(tmp_path: Path) -> None:
 
 def test_a_tarball_that_does_not_match_the_pin_is_refused(tmp_path: Path) -> None:
     wrong = ClaudeCodePin(integrity="sha512-" + "A" * 86 + "==")
-    recipes = Recipes(agent=AgentRecipe(claude_code=wrong))
-    tag = image_tag("agent", recipe_hashes(recipes)["agent"])
+    recipes = Recipes(agent=AgentRecipe(claude_code=wrong), repository=TEST_REPOSITORY)
+    tag = image_tag("agent", recipe_hashes(recipes)["agent"], TEST_REPOSITORY)
     with pytest.raises(BuildStepError) as failed:
         build_images(["agent"], recipes=recipes, cache_dir=tmp_path, log=lambda _: None)
     assert failed.value.step == "npm pack"
@@ -283,7 +331,7 @@ def test_missing_debootstrap_is_named_with_its_package(
     assert docker_path is not None
     (bin_dir / "docker").symlink_to(docker_path)
     monkeypatch.setenv("PATH", str(bin_dir))
-    recipes = Recipes(base=BaseRecipe(include=("jq",)))
+    recipes = Recipes(base=BaseRecipe(include=("jq",)), repository=TEST_REPOSITORY)
     with pytest.raises(ToolMissingError, match=r"debootstrap is not installed \(apt-get install"):
         build_images(["base"], recipes=recipes, cache_dir=tmp_path / "cache", log=lambda _: None)
 
@@ -293,13 +341,13 @@ def test_an_unreachable_mirror_is_named_and_leaves_nothing(
 ) -> None:
     # A mirror on a loopback port nobody listens on: debootstrap fails at its first fetch.
     monkeypatch.setenv("AGENT_APPLIANCE_DEBIAN_MIRROR", "http://127.0.0.1:9/debian")
-    recipes = Recipes(base=BaseRecipe(include=("jq",)))
+    recipes = Recipes(base=BaseRecipe(include=("jq",)), repository=TEST_REPOSITORY)
     cache = tmp_path / "cache"
     with pytest.raises(BuildStepError) as failed:
         build_images(["base"], recipes=recipes, cache_dir=cache, log=lambda _: None)
     assert failed.value.step == "debootstrap"
     assert "package archive reachable" in str(failed.value)
-    assert not image_exists(image_tag("base", recipe_hashes(recipes)["base"]))
+    assert not image_exists(image_tag("base", recipe_hashes(recipes)["base"], TEST_REPOSITORY))
     assert list((cache / "trees").iterdir()) == [] and list((cache / "work").iterdir()) == []
     assert str(cache) not in Path("/proc/self/mountinfo").read_text()
 
@@ -320,6 +368,7 @@ def test_an_unreachable_engine_is_named(monkeypatch: pytest.MonkeyPatch, tmp_pat
         (lambda: AgentRecipe(home="/home/../etc"), "agent.home"),
         (lambda: ClaudeCodePin(version="latest"), "agent.claude_code.version"),
         (lambda: InfraRecipe(uid=0), "infra.uid"),
+        (lambda: Recipes(repository="Agent Appliance"), "repository"),
     ],
 )
 def test_bad_recipe_values_are_refused_by_name(make: object, field_name: str) -> None:
