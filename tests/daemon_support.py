@@ -50,7 +50,8 @@ def _routes_any(networks: list[str]) -> bool:
     out = subprocess.run(
         ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True
     )
-    return any(net.rsplit(".", 2)[0] in out.stdout for net in networks)
+    # "100.91.236.0/24" -> "100.91.236.": a route of that /24 (not any 100.91.x.y)
+    return any(net.rsplit(".", 1)[0] + "." in out.stdout for net in networks)
 
 
 @dataclass
