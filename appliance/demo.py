@@ -187,10 +187,32 @@ class DemoAppliance:
         self.process: subprocess.Popen[bytes] | None = None
         self.proxy_pid: int | None = None
 
-    def write_config(self, agent: str, infra: str, provider_port: int, ca_file: Path) -> None:
+    def write_config(
+        self,
+        agent: str,
+        infra: str,
+        provider_port: int | None,
+        ca_file: Path | None,
+        extra_daemon: str = "",
+    ) -> None:
+        """The demo's config; with no provider port, no provider (bench/bench_crews.py)."""
         self.pool = _unrouted_pool()
-        self.key_file.write_text(DEMO_KEY)
-        self.key_file.chmod(0o600)
+        provider = ""
+        if provider_port is not None:
+            self.key_file.write_text(DEMO_KEY)
+            self.key_file.chmod(0o600)
+            provider = f"""
+[proxy.providers.anthropic]
+base_url = "https://{PROVIDER_HOST}:{provider_port}"
+credential_file = "{self.key_file}"
+
+[proxy.upstream]
+ca_file = "{ca_file}"
+# The fake provider lives on 127.0.0.1: the operator opens exactly that address, and the name
+# resolves there only in the proxy's own table.
+ssrf_allow = ["127.0.0.1/32"]
+resolve = {{ "{PROVIDER_HOST}" = "127.0.0.1" }}
+"""
         self.config_path.write_text(f"""\
 [daemon]
 state_dir = "{self.state_dir}"
@@ -198,7 +220,7 @@ admin_socket = "{self.socket}"
 proxy_port = {PROXY_PORT}
 # If the tour stops half way, SIGTERM still tears the crew down.
 stop_crews_on_exit = true
-
+{extra_daemon}
 [images]
 agent = "{agent}"
 infra = "{infra}"
@@ -211,18 +233,7 @@ default_memory_bytes = 268435456
 pool = "{self.pool}"
 table = "{self.table}"
 ifname_prefix = "{self.ifname_prefix}"
-
-[proxy.providers.anthropic]
-base_url = "https://{PROVIDER_HOST}:{provider_port}"
-credential_file = "{self.key_file}"
-
-[proxy.upstream]
-ca_file = "{ca_file}"
-# The fake provider lives on 127.0.0.1: the operator opens exactly that address, and the name
-# resolves there only in the proxy's own table.
-ssrf_allow = ["127.0.0.1/32"]
-resolve = {{ "{PROVIDER_HOST}" = "127.0.0.1" }}
-
+{provider}
 [proxy.events]
 path = "{self.events_path}"
 flush_interval = 0.05
