@@ -19,16 +19,15 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import trio
-
-from native import headscan
-from native.scrub import native_missing_notice
-from proxycore import control
-from proxycore.config import ProxyConfig, load_config, validate
-from proxycore.errors import ConfigError, ProxyError
-from proxycore.events import EventSink, JsonLinesSink, NullSink
+# The proxy's modules (trio, proxycore, native) are imported where they are used: the admin
+# commands (`crew`, `run`, `status`) then start in about a third of the time, which is most of
+# what `appliancectl run` costs over `docker exec` (docs/benchmarks.md, crews).
+if TYPE_CHECKING:
+    from proxycore import control
+    from proxycore.config import ProxyConfig
+    from proxycore.events import EventSink
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_UNREACHABLE = 3, 4, 5
@@ -54,6 +53,8 @@ class _Output:
 
 
 def make_sink(config: ProxyConfig, worker: int = 0) -> EventSink:
+    from proxycore.events import JsonLinesSink, NullSink
+
     events = config.events
     if events.path is None:
         return NullSink()
@@ -75,6 +76,10 @@ def _raise_fd_limit() -> None:
 def run_proxy_worker(
     config: ProxyConfig, worker: int, control_channel: socket.socket | None = None
 ) -> None:
+    import trio
+
+    from native import headscan
+    from native.scrub import native_missing_notice
     from proxycore.server import serve
 
     _raise_fd_limit()
@@ -124,6 +129,9 @@ def run_proxy_worker(
 
 def _load_proxy_config(path: str) -> ProxyConfig:
     """TOML, or JSON for a file applianced generated (the same Struct tree, same checks)."""
+    from proxycore.config import ProxyConfig, load_config, validate
+    from proxycore.errors import ConfigError
+
     if not path.endswith(".json"):
         return load_config(path)
     import msgspec
@@ -141,6 +149,9 @@ def _load_proxy_config(path: str) -> ProxyConfig:
 
 
 def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
+    from proxycore.config import validate
+    from proxycore.errors import ConfigError, ProxyError
+
     try:
         config = _load_proxy_config(args.config)
         warnings = validate(config, source=args.config)
@@ -191,6 +202,8 @@ def _run_workers(config: ProxyConfig, workers: int) -> int:
 
 def _control_request(path: str, message: control.ControlMessage) -> control.ControlReply:
     """One message to a proxy's control socket and its reply; OSError if unreachable."""
+    from proxycore import control
+
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(path)
@@ -205,6 +218,8 @@ def _control_request(path: str, message: control.ControlMessage) -> control.Cont
 
 
 def cmd_proxy_allow(args: argparse.Namespace, out: _Output) -> int:
+    from proxycore import control
+
     message = control.AllowHost(crew=args.crew, host=args.host)
     try:
         reply = _control_request(args.socket, message)
@@ -221,6 +236,8 @@ def cmd_proxy_allow(args: argparse.Namespace, out: _Output) -> int:
 
 
 def cmd_proxy_reload_credentials(args: argparse.Namespace, out: _Output) -> int:
+    from proxycore import control
+
     try:
         reply = _control_request(args.socket, control.ReloadCredentials())
     except OSError as exc:

@@ -1,7 +1,7 @@
 """Run the whole benchmark suite and write bench/results/latest.json plus markdown tables.
 
-Runs bench_forward.py, bench_capacity.py, bench_connect.py and bench_scrub.py one after another
-(each as its own process, each command printed), gathers their JSON into
+Runs bench_forward.py, bench_capacity.py, bench_connect.py, bench_scrub.py and bench_crews.py
+one after another (each as its own process, each command printed), gathers their JSON into
 bench/results/latest.json (a copy with the date in its name stays beside it) and prints every
 table as markdown, ready for docs/benchmarks.md. `--quick` shortens every run for a smoke test;
 its figures are not for the document.
@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_capacity
 import bench_connect
+import bench_crews
 import bench_forward
 import bench_scrub
 import common
@@ -30,6 +31,7 @@ SUITES = {
     "capacity": (bench_capacity, "bench_capacity.py"),
     "connect": (bench_connect, "bench_connect.py"),
     "scrub": (bench_scrub, "bench_scrub.py"),
+    "crews": (bench_crews, "bench_crews.py"),
 }
 
 
@@ -39,6 +41,8 @@ def suite_arguments(name: str, args: argparse.Namespace) -> list[str]:
     if name == "connect":
         extra += ["--size", args.size, "--repeat", str(args.repeat)]
         return extra
+    if name == "crews":  # root, the engine and the images; 50 crews (5 with --quick)
+        return [*extra, *(["--crews", "5"] if args.quick else [])]
     if name == "scrub":  # in-process, no load generator: no --duration
         return [*extra, "--repeat", str(args.repeat), *(["--quick"] if args.quick else [])]
     extra += ["--duration", f"{args.duration:g}", "--repeat", str(args.repeat)]
