@@ -400,7 +400,7 @@ def test_pod_reaches_its_gateway_port_and_nothing_else(  # type: ignore[no-untyp
         try:
             net.reconcile()
             networks = []
-            pod, _agent = launch_crew(
+            _pod, _agent = launch_crew(
                 provider,
                 spec_for(crew, image, runtime),
                 lambda pod: networks.append(net.attach(crew, pod.netns_path)),
@@ -511,10 +511,28 @@ def _gone(provider, crew: str, commands: tuple[str, ...]) -> bool:  # type: igno
 
 
 def test_engine_sees_no_leftover_process(provider, client, started: Started) -> None:  # type: ignore[no-untyped-def]
-    sh(provider, started.name, "sleep 34", timeout=0.5)
-    top = client.api.top(started.agent_id)
-    commands = [" ".join(row) for row in top["Processes"]]
-    assert not any("sleep 34" in command for command in commands), commands
+    if started.runtime == "runsc":
+        # `docker top` on a gVisor container lists host processes, not the sandbox's (seen
+        # here with runsc and Docker 20.10): the in-container `ps` checks above stand for it.
+        pytest.skip("the engine's top does not see inside a gVisor sandbox")
+
+    def sleeping() -> bool:
+        rows = client.api.top(started.agent_id)["Processes"]
+        return any("sleep 34" in " ".join(row) for row in rows)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, provider, started.name, ["sleep", "34"])
+            for _ in range(100):  # the control: the engine does see it while it runs
+                await trio.sleep(0.05)
+                if await trio.to_thread.run_sync(sleeping):
+                    break
+            else:
+                raise AssertionError("the exec never appeared in the engine's top")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert not sleeping()
 
 
 def test_exec_in_a_crew_without_agent(provider) -> None:  # type: ignore[no-untyped-def]
@@ -618,3 +636,20 @@ def test_runsc_processes_are_tied_to_their_container(provider, image, crew) -> N
     while any(p.container_id == agent for p in runtime_processes()):
         assert time.monotonic() < deadline, "runsc processes outlived their container"
         time.sleep(0.1)
+
+
+def test_register_runsc_keeps_the_rest_of_daemon_json(tmp_path: Path) -> None:
+    import json
+
+    from appliance.runtime.engine import RUNSC_RUNTIME, register_runsc
+
+    daemon_json = tmp_path / "daemon.json"
+    daemon_json.write_text(json.dumps({"log-level": "warn", "runtimes": {"other": {"path": "x"}}}))
+    assert register_runsc(daemon_json) is True
+    config = json.loads(daemon_json.read_text())
+    assert config["log-level"] == "warn" and config["runtimes"]["other"] == {"path": "x"}
+    assert config["runtimes"]["runsc"] == RUNSC_RUNTIME
+    assert RUNSC_RUNTIME["runtimeArgs"] == ["--network=host"]
+    assert register_runsc(daemon_json) is False  # already there: untouched
+    missing = tmp_path / "new" / "daemon.json"
+    assert register_runsc(missing) is True and "runsc" in missing.read_text()

@@ -15,6 +15,7 @@ from .base import (
 )
 from .errors import (
     CrewContainerError,
+    EngineCallError,
     EngineUnavailable,
     ImageMissing,
     InvalidSpec,
@@ -28,6 +29,7 @@ __all__ = [
     "ContainerRole",
     "CrewContainerError",
     "CrewSpec",
+    "EngineCallError",
     "EngineUnavailable",
     "ExecExited",
     "ExecOutput",

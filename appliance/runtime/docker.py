@@ -81,9 +81,9 @@ from .base import (
 from .engine import detect_engine
 from .errors import (
     CrewContainerError,
+    EngineCallError,
     ImageMissing,
     InvalidSpec,
-    RuntimeProviderError,
     RuntimeUnavailable,
 )
 from .mounts import check_mounts
@@ -228,7 +228,7 @@ class DockerProvider:
         except docker.errors.APIError as exc:
             if exc.status_code == 404:
                 raise ImageMissing(image, role) from None
-            raise CrewContainerError("?", f"look up {role} image {image!r}", exc) from exc
+            raise EngineCallError(f"look up {role} image {image!r}", exc) from exc
 
     # --- the pod -------------------------------------------------------------------------------
 
@@ -576,15 +576,6 @@ class DockerProvider:
             ),
         )
         return [v["Name"] for v in (found.get("Volumes") or [])]
-
-
-class EngineCallError(RuntimeProviderError):
-    """A call to the engine that is not tied to one crew failed (listing, info)."""
-
-    def __init__(self, what: str, cause: BaseException) -> None:
-        self.what = what
-        self.cause = cause
-        super().__init__(f"container engine: {what}: {cause}")
 
 
 class _Rollback:

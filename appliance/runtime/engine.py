@@ -236,7 +236,7 @@ def ensure_dockerd(
     For machines without an init system (development, CI, tests); never called by applianced.
     """
     runsc_installed = os.access(RUNSC_PATH, os.X_OK)
-    changed = _register_runsc() if runsc_installed else False
+    changed = register_runsc() if runsc_installed else False
     attempt, client = _try_address("docker", f"unix://{socket_path}", os.environ, PING_TIMEOUT)
     if client is None:
         dockerd = shutil.which("dockerd")
@@ -267,26 +267,26 @@ def ensure_dockerd(
     return client
 
 
-def _register_runsc() -> bool:
+def register_runsc(daemon_json: Path = DAEMON_JSON) -> bool:
     """Add runsc to daemon.json, keeping whatever else is there. True if the file changed."""
     config: dict[str, object] = {}
-    if DAEMON_JSON.exists():
-        text = DAEMON_JSON.read_text()
+    if daemon_json.exists():
+        text = daemon_json.read_text()
         if text.strip():
             loaded = json.loads(text)
             if not isinstance(loaded, dict):
-                raise DockerdStartError(f"{DAEMON_JSON}: not a JSON object")
+                raise DockerdStartError(f"{daemon_json}: not a JSON object")
             config = loaded
     runtimes = config.setdefault("runtimes", {})
     if not isinstance(runtimes, dict):
-        raise DockerdStartError(f"{DAEMON_JSON}: `runtimes` is not an object")
+        raise DockerdStartError(f"{daemon_json}: `runtimes` is not an object")
     if runtimes.get("runsc") == RUNSC_RUNTIME:
         return False
     runtimes["runsc"] = RUNSC_RUNTIME
-    DAEMON_JSON.parent.mkdir(parents=True, exist_ok=True)
-    temporary = DAEMON_JSON.with_suffix(".json.tmp")
+    daemon_json.parent.mkdir(parents=True, exist_ok=True)
+    temporary = daemon_json.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(temporary, DAEMON_JSON)
+    os.replace(temporary, daemon_json)
     return True
 
 

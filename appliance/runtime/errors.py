@@ -29,6 +29,15 @@ class EngineUnavailable(RuntimeProviderError):
         super().__init__(head + "; tried:\n" + "\n".join(lines))
 
 
+class EngineCallError(RuntimeProviderError):
+    """A call to the engine that is not tied to one crew failed (listing, info)."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        self.what = what
+        self.cause = cause
+        super().__init__(f"container engine: {what}: {cause}")
+
+
 class RuntimeUnavailable(RuntimeProviderError):
     """The runtime a crew asks for is not in the engine, or is there but known not to work.
 
