@@ -10,8 +10,8 @@ export DEBIAN_FRONTEND=noninteractive LC_ALL=C
 printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
 chmod 0755 /usr/sbin/policy-rc.d
 
-apt-get update -q
-apt-get install -y -q --no-install-recommends "$@"
+apt-get update -q -o Acquire::Retries=3
+apt-get install -y -q -o Acquire::Retries=3 --no-install-recommends "$@"
 
 groupadd --gid "$uid" "$user"
 useradd --uid "$uid" --gid "$uid" --home-dir "$home" --create-home --shell /bin/bash "$user"

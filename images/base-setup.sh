@@ -35,8 +35,8 @@ find /usr/share/doc -depth -mindepth 1 -type d -empty -delete
 rm -rf /usr/share/man/* /usr/share/info/*
 find /usr/share/locale -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +
 
-apt-get update -q
-apt-get upgrade -y -q -o Dpkg::Options::=--force-confold
+apt-get update -q -o Acquire::Retries=3
+apt-get upgrade -y -q -o Acquire::Retries=3 -o Dpkg::Options::=--force-confold
 
 apt-get clean
 rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt/* /var/log/dpkg.log \

@@ -166,7 +166,10 @@ class ClaudeCodePin:
 
     package: str = "@anthropic-ai/claude-code-linux-x64"
     version: str = "2.1.330"
-    integrity: str = "sha512-9Gn+V7DtJ8M1nztP9CeDVl9g3RtrepI7rOFTyPRRnZe8D6zebIHKmC7OvBauucuAP0X0k85SDN/LPVZyjsGezQ=="
+    integrity: str = (
+        "sha512-9Gn+V7DtJ8M1nztP9CeDVl9g3RtrepI7rOFTyPRRnZe8D6zebIHKmC7O"
+        "vBauucuAP0X0k85SDN/LPVZyjsGezQ=="
+    )
     # The member of the package tarball that is the program.
     member: str = "package/claude"
 
@@ -527,7 +530,7 @@ class _Builder:
         self.log(f"debootstrap --variant={recipe.variant} {recipe.suite} (about 25-45 s)")
         _run(
             "debootstrap", argv, log_file=self.log_file, timeout=NETWORK_STEP_TIMEOUT,
-            hint="is Debian's package archive reachable? see the log above",
+            hint="is Debian's package archive reachable?",
         )  # fmt: skip
         self._prune("debootstrap-")
         target.rename(final)
@@ -792,6 +795,28 @@ def ensure_images(
     return ImageSet(**{kind: results[kind].tag for kind in KINDS})
 
 
+def prune_images(recipes: Recipes | None = None) -> tuple[list[str], list[str]]:
+    """Untag the images of this module's repositories that the recipes no longer name.
+
+    Returns (removed, kept): an image a container still uses is kept (no --force), so pruning
+    never pulls the root file system from under a running crew.
+    """
+    current = set(dataclasses.asdict(image_tags(recipes)).values())
+    removed: list[str] = []
+    kept: list[str] = []
+    for kind in KINDS:
+        listed = _docker(
+            "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", f"{REPOSITORY}/{kind}"
+        )
+        if listed.returncode != 0:
+            raise _engine_error(listed)
+        for tag in listed.stdout.split():
+            if tag in current or tag.endswith(":<none>"):
+                continue
+            (removed if _docker("image", "rm", tag).returncode == 0 else kept).append(tag)
+    return removed, kept
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m images.build",
@@ -804,6 +829,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rebuild", action="store_true", help="ignore every cache and rebuild")
     parser.add_argument("--tags", action="store_true", help="print the tags only; build nothing")
+    parser.add_argument(
+        "--prune", action="store_true", help="then untag images that older recipes named"
+    )
     args = parser.parse_args(argv)
     kinds: list[Kind] = args.only or list(KINDS)
     try:
@@ -812,15 +840,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(tags) if args.json else "\n".join(tags[k] for k in kinds))
             return 0
         results = build_images(kinds, cache_dir=args.cache_dir, force=args.rebuild)
+        removed, kept = prune_images() if args.prune else ([], [])
     except ImageError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({kind: dataclasses.asdict(result) for kind, result in results.items()}))
+        report: dict[str, object] = {k: dataclasses.asdict(r) for k, r in results.items()}
+        if args.prune:
+            report["pruned"] = {"removed": removed, "kept_in_use": kept}
+        print(json.dumps(report))
     else:
         for result in results.values():
             state = f"built in {result.seconds:.1f} s" if result.built else "cached"
             print(f"{result.kind:<6} {result.tag}  {state}")
+        for tag in removed:
+            print(f"pruned {tag}")
+        for tag in kept:
+            print(f"kept   {tag} (a container uses it)")
     return 0
 
 
