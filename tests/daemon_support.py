@@ -50,7 +50,9 @@ def _routes_any(networks: list[str]) -> bool:
     out = subprocess.run(
         ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True
     )
-    return any(net.rsplit(".", 2)[0] in out.stdout for net in networks)
+    # "100.91.7." for "100.91.7.0/24": the /24 itself, not every pool of the same /16 (another
+    # test session's crews on the machine must not make every pool look taken).
+    return any(net.rsplit(".", 1)[0] + "." in out.stdout for net in networks)
 
 
 @dataclass
