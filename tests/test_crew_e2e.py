@@ -228,7 +228,7 @@ def world(
         listener = bind_listener(upstream.address, 443, netns_path=upstream.path)
         fake = FakeAnthropic(listener, tls)
         try:
-            _write_config(app, images.agent, images.infra, upstream)
+            _write_config(app, agent, infra, upstream)
             app.start()
             world = World(app, upstream, fake, ca.cert_pem.bytes().decode())
             available = _engine_runtimes()
