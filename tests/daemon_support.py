@@ -50,7 +50,8 @@ def _routes_any(networks: list[str]) -> bool:
     out = subprocess.run(
         ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True
     )
-    # "100.91.236.0/24" -> "100.91.236.": a route of that /24 (not any 100.91.x.y)
+    # "100.91.7." for "100.91.7.0/24": the /24 itself, not every pool of the same /16 (another
+    # test session's crews on the machine must not make every pool look taken).
     return any(net.rsplit(".", 1)[0] + "." in out.stdout for net in networks)
 
 

@@ -1,0 +1,557 @@
+"""Issue 5's acceptance tests: crews as an operator makes them, on runc and on runsc.
+
+Everything is real: an applianced process (tests/daemon_support.py: its own state directory,
+admin socket, address pool, nftables table, interface and crew-name prefixes), the Docker engine,
+the images of images/ (the agent image with curl and the native Claude Code program), the proxy
+child, appliancectl as the operator types it.
+
+The world the crews live in::
+
+    crew netns (runc / runsc)         host                           test namespace "apx-e2e-*"
+    agent ── veth ─────────── gateway:proxy_port ── proxy ── e2e*h ══ e2e*n ── fake Anthropic
+                                 (nft: nothing else)         100.92.N.1/30   100.92.N.2:443 (TLS)
+
+The fake Anthropic API (tests/fake_anthropic.py, TLS with a test CA) lives in a namespace this
+module creates; the host routes to it through a veth, and that namespace has a route back to
+the crews' pool. So a direct packet from a crew to the fake could be forwarded by the host (IP
+forwarding is on here: Docker turns it on). The appliance's nftables rules drop it in
+prerouting; Docker's own iptables FORWARD policy (DROP) would too, which is why the tests also
+require the crew chain's drop counter to move: that proves it was our rules. (Checked by hand
+with an `accept` inserted ahead of them: the listener on the gateway is reached and the test
+fails.) The proxy reaches the fake through its split-horizon table (`api.anthropic.test` ->
+100.92.N.2) and an `ssrf_allow` of exactly that /30, verifying TLS against the test CA.
+
+Nothing is ever sent to an address outside the machine: no test dials a public address (the
+issue suggested 1.1.1.1 as a "the internet is unreachable" probe; a crew's only route is the
+veth to the host, whose nft rules would drop it, but if they did not, the packet would leave the
+machine, which the project's network rule forbids; the fake's namespace is the same probe with
+nothing at stake).
+
+One daemon and two crews (runc, runsc) for the whole module; the restart test runs last and
+ends with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import trustme
+
+from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS
+from tests.daemon_support import Appliance, needs_root_and_docker, new_appliance, remove_volumes
+from tests.fake_anthropic import REPLY, FakeAnthropic, bind_listener
+
+pytestmark = pytest.mark.docker
+
+RUNTIMES = ["runc", "runsc"]
+PROVIDER_HOST = "api.anthropic.test"
+# What Claude Code is given so that it starts at all: without some API key it exits 1 with "Not
+# logged in · Please run /login" before sending anything.
+# The proxy removes it (x-api-key is one of proxycore.credentials.CREDENTIAL_HEADERS) and puts
+# the appliance's key in its place; the tests assert the placeholder never reaches upstream.
+CLAUDE_PLACEHOLDER_KEY = "placeholder-not-a-key"
+# Anything Claude Code would send besides the Messages API (telemetry, error reports, update
+# checks) is refused by the restricted policy anyway (it completes without these too); these
+# keep it from trying. With them, 2.1.330 sends exactly one POST /v1/messages?beta=true.
+CLAUDE_QUIET_ENV = [
+    "DISABLE_TELEMETRY=1",
+    "DISABLE_ERROR_REPORTING=1",
+    "DISABLE_AUTOUPDATER=1",
+    "DISABLE_BUG_COMMAND=1",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
+]
+# Names an environment variable holding a credential would likely have.
+CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+# --- the test's own namespace, where the fake provider lives -------------------------------------
+
+
+def _routed(prefix: str) -> bool:
+    out = subprocess.run(
+        ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True
+    ).stdout
+    return prefix in out
+
+
+@dataclass
+class UpstreamNamespace:
+    """A named namespace joined to the host by a veth (a /30 from 100.92.0.0/16), with a route
+    back to the crews' pool so that only nftables stands between a crew and it."""
+
+    name: str
+    host_if: str
+    host_address: str
+    address: str
+    subnet: str
+
+    @classmethod
+    def create(cls, tag: str, crew_pool: str) -> UpstreamNamespace:
+        for _ in range(20):
+            third = random.randrange(256)
+            if not _routed(f"100.92.{third}."):
+                break
+        else:
+            pytest.skip("no free /30 for the test namespace")
+        made = cls(
+            name=f"apx-e2e-{tag}-{uuid.uuid4().hex[:4]}",
+            host_if=f"e2e{tag}h",
+            host_address=f"100.92.{third}.1",
+            address=f"100.92.{third}.2",
+            subnet=f"100.92.{third}.0/30",
+        )
+        inner_if = f"e2e{tag}n"
+        try:
+            for command in [
+                ["ip", "netns", "add", made.name],
+                ["ip", "link", "add", made.host_if, "type", "veth", "peer", "name", inner_if],
+                ["ip", "link", "set", inner_if, "netns", made.name],
+                ["ip", "addr", "add", f"{made.host_address}/30", "dev", made.host_if],
+                ["ip", "link", "set", made.host_if, "up"],
+                ["ip", "-n", made.name, "link", "set", "lo", "up"],
+                ["ip", "-n", made.name, "addr", "add", f"{made.address}/30", "dev", inner_if],
+                ["ip", "-n", made.name, "link", "set", inner_if, "up"],
+                # The way back to the crews: without it a crew's SYN could arrive but never be
+                # answered, and "the fake saw no connection" would prove nothing about nft.
+                ["ip", "-n", made.name, "route", "add", crew_pool, "via", made.host_address],
+            ]:
+                subprocess.run(command, check=True, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            made.delete()
+            raise RuntimeError(f"{exc.cmd}: {exc.stderr.decode(errors='replace')}") from None
+        return made
+
+    @property
+    def path(self) -> str:
+        return f"/run/netns/{self.name}"
+
+    def delete(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+# --- the module's world: one daemon, one fake, two crews -----------------------------------------
+
+
+@dataclass
+class World:
+    app: Appliance
+    upstream: UpstreamNamespace
+    fake: FakeAnthropic
+    ca_pem: str
+    crews: dict[str, str] = field(default_factory=dict)  # runtime -> crew name
+    gateways: dict[str, str] = field(default_factory=dict)  # runtime -> gateway
+    container_ids: dict[str, list[str]] = field(default_factory=dict)  # crew -> ids
+
+    def run(
+        self, runtime: str, *argv: str, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        return self.app.ctl(
+            "run", "--timeout", str(timeout), self.crews[runtime], "--", *argv, timeout=timeout + 30
+        )
+
+
+def _engine_runtimes() -> set[str]:
+    out = subprocess.run(
+        ["docker", "info", "--format", "{{json .Runtimes}}"], capture_output=True, text=True
+    )
+    return set(json.loads(out.stdout or "{}"))
+
+
+def _write_config(app: Appliance, agent: str, infra: str, up: UpstreamNamespace) -> None:
+    app.config.write_text(
+        f"""
+[daemon]
+state_dir = "{app.state_dir}"
+admin_socket = "{app.socket}"
+proxy_port = {app.port}
+
+[images]
+agent = "{agent}"
+infra = "{infra}"
+
+[crews]
+name_prefix = "{app.name_prefix}"
+
+[net]
+pool = "{app.pool}"
+table = "{app.table}"
+ifname_prefix = "{app.prefix}"
+
+[proxy.providers.anthropic]
+base_url = "https://{PROVIDER_HOST}"
+credential_env = "TEST_ANTHROPIC_KEY"
+
+[proxy.upstream]
+ca_file = "{app.ca_file}"
+ssrf_allow = ["{up.subnet}"]
+resolve = {{ "{PROVIDER_HOST}" = "{up.address}" }}
+"""
+    )
+
+
+@pytest.fixture(scope="module")
+def world(
+    tmp_path_factory: pytest.TempPathFactory, ca: trustme.CA, ca_file: str
+) -> Iterator[World]:
+    needs_root_and_docker()
+    from images.build import ensure_images
+
+    # Built once and cached by recipe hash (images/README.md): about 0.1 s when present, over a
+    # minute from nothing. The acceptance tests need the real agent image, so no skip here.
+    images = ensure_images()
+    app = new_appliance(tmp_path_factory.mktemp("crew-e2e"), 443, 0, ca_file)
+    # Private tags for this module's daemon: other test sessions on the same engine build,
+    # untag and prune the shared tags (tests/test_images.py), and an image that still has one
+    # of our tags survives that.
+    agent, infra = (
+        f"{image.split(':')[0]}:e2e-{app.tag}" for image in (images.agent, images.infra)
+    )
+    subprocess.run(["docker", "tag", images.agent, agent], check=True)
+    subprocess.run(["docker", "tag", images.infra, infra], check=True)
+    upstream = UpstreamNamespace.create(app.tag, app.pool)
+    try:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert(PROVIDER_HOST).configure_cert(tls)
+        listener = bind_listener(upstream.address, 443, netns_path=upstream.path)
+        fake = FakeAnthropic(listener, tls)
+        try:
+            _write_config(app, agent, infra, upstream)
+            app.start()
+            world = World(app, upstream, fake, ca.cert_pem.bytes().decode())
+            available = _engine_runtimes()
+            for runtime in RUNTIMES:
+                if runtime not in available:
+                    continue
+                name = app.crew(runtime)
+                # 1 GiB: the Claude Code program alone is a 381 MB executable.
+                code, created = app.ctl_json(
+                    "crew", "create", name, "--mode", "restricted", "--runtime", runtime,
+                    "--allow", PROVIDER_HOST, "--memory", "1g",
+                )  # fmt: skip
+                assert code == 0, (created, app.log_text())
+                crew = created["crew"]
+                assert crew["phase"] == "ready" and crew["runtime"] == runtime
+                world.crews[runtime] = name
+                world.gateways[runtime] = crew["gateway"]
+                world.container_ids[name] = [c["container_id"] for c in crew["containers"]]
+            yield world
+        finally:
+            fake.close()
+            app.cleanup()
+            remove_volumes(app.name_prefix)
+    finally:
+        upstream.delete()
+        subprocess.run(["docker", "rmi", agent, infra], capture_output=True)
+
+
+@pytest.fixture(params=RUNTIMES)
+def runtime(request: pytest.FixtureRequest, world: World) -> str:
+    name: str = request.param
+    if name not in world.crews:
+        pytest.skip(f"the engine has no runtime {name}")
+    return name
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _crew_drops(app: Appliance) -> int:
+    """Packets the table's crew chains dropped (their final `counter drop`)."""
+    out = subprocess.run(
+        ["nft", "list", "table", "inet", app.table], capture_output=True, text=True, check=True
+    ).stdout
+    total = 0
+    chain = ""
+    for line in out.splitlines():
+        words = line.split()
+        if words[:1] == ["chain"]:
+            chain = words[1]
+        elif chain.startswith("crew_") and "drop" in words and "packets" in words:
+            total += int(words[words.index("packets") + 1])
+    return total
+
+
+class HostListener:
+    """A TCP listener on every host address, the crew's gateway included: reaching it from a
+    crew would be a way around the proxy."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(8)
+        self.port = int(self.sock.getsockname()[1])
+        self.hits = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.hits += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _containers_of(crew: str) -> list[str]:
+    out = subprocess.run(
+        [
+            "docker",
+            "ps",
+            "-a",
+            "--no-trunc",
+            "-q",
+            "--filter",
+            f"label=io.agent-appliance.crew={crew}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return out.split()
+
+
+def _runtime_processes_of(container_ids: list[str]) -> list[str]:
+    """runsc sandbox/gofer processes and shims (read from /proc) that name one of these ids."""
+    from appliance.runtime.docker import runtime_processes
+
+    wanted = set(container_ids)
+    return [
+        f"{p.pid} {p.kind} {p.cmdline}" for p in runtime_processes() if p.container_id in wanted
+    ]
+
+
+# --- 1. a restricted crew, as the agent sees it ---------------------------------------------------
+
+
+def test_agent_is_unprivileged_and_confined(world: World, runtime: str) -> None:
+    # /var/tmp is on the image's root filesystem and world-writable (1777): a write there can
+    # only fail because the root is read-only (a write to / would fail for uid 1001 anyway,
+    # and gVisor reports that permission check first). Python's stat, not coreutils':
+    # this gVisor refuses statx (which `stat` and `ls` use) with EINVAL.
+    done = world.run(
+        runtime,
+        "sh",
+        "-c",
+        "id -u; id -g; grep '^CapEff:' /proc/self/status; grep ' / ' /proc/self/mounts;"
+        " python3 -c 'import os; print(oct(os.stat(\"/var/tmp\").st_mode & 0o7777))';"
+        " touch /var/tmp/probe; echo touch=$?",
+    )
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["1001", "1001"], done
+    assert re.fullmatch(r"CapEff:\s+0+", lines[2]), done
+    root_options = lines[3].split()[3].split(",")
+    assert "ro" in root_options, done
+    assert lines[4:] == ["0o1777", "touch=1"], done
+    assert "Read-only file system" in done.stderr, done
+
+
+def test_environment_holds_the_proxy_and_no_credential(world: World, runtime: str) -> None:
+    done = world.run(runtime, "env")
+    assert done.returncode == 0, done
+    env = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    base = f"http://{world.gateways[runtime]}:{world.app.port}"
+    assert env["HTTPS_PROXY"] == base and env["HTTP_PROXY"] == base
+    assert env["ANTHROPIC_BASE_URL"] == f"{base}/anthropic"
+    assert [name for name in env if CREDENTIAL_NAME.search(name)] == []
+    for key in REAL_KEYS.values():
+        assert key not in done.stdout
+
+
+def test_provider_key_is_injected_over_verified_tls(world: World, runtime: str) -> None:
+    world.fake.clear()
+    body = json.dumps(
+        {"model": "claude-e2e", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    done = world.run(
+        runtime,
+        "sh",
+        "-c",
+        'curl -sS --max-time 30 -X POST "$ANTHROPIC_BASE_URL/v1/messages"'
+        f" -H 'content-type: application/json' -H 'x-api-key: {AGENT_DUMMY_KEY}'"
+        f" -H 'authorization: Bearer {AGENT_DUMMY_KEY}' --data-binary '{body}'",
+    )
+    assert done.returncode == 0, (done, world.app.log_text())
+    assert json.loads(done.stdout)["content"][0]["text"] == REPLY
+    (received,) = world.fake.messages()
+    # The appliance's key, exactly once; nothing the agent sent as a credential.
+    assert received.all("x-api-key") == [REAL_KEYS["anthropic"]]
+    assert received.all("authorization") == []
+    assert AGENT_DUMMY_KEY.encode() not in received.body
+    assert received.all("host") == [PROVIDER_HOST]
+
+
+def test_allowed_host_through_a_tunnel_carries_no_injected_key(world: World, runtime: str) -> None:
+    """CONNECT to an allowlisted host: TLS end to end (the crew verifies the fake against the
+    test CA, written to its tmpfs), opaque to the proxy, so nothing is injected."""
+    world.fake.clear()
+    done = world.run(
+        runtime,
+        "sh",
+        "-c",
+        'printf "%s" "$1" > /tmp/ca.pem && curl -sS --max-time 30 --cacert /tmp/ca.pem'
+        f" -X POST -H 'content-type: application/json' --data-binary '{{}}'"
+        f" https://{PROVIDER_HOST}/v1/messages/count_tokens",
+        "sh",
+        world.ca_pem,
+    )
+    assert done.returncode == 0, (done, world.app.log_text())
+    assert json.loads(done.stdout) == {"input_tokens": 12}
+    (received,) = world.fake.requests
+    assert received.all("x-api-key") == []
+
+
+def test_denied_host_gets_the_proxys_readable_refusal(world: World, runtime: str) -> None:
+    # Plain HTTP through HTTP_PROXY: the policy decides on the name, before any resolution.
+    done = world.run(
+        runtime, "curl", "-sS", "--max-time", "20", "-w", "\n%{http_code}", "http://denied.test/x"
+    )
+    body, status = done.stdout.rsplit("\n", 1)
+    assert status == "403", done
+    refusal = json.loads(body)
+    assert refusal["rule"] == "not_in_allowlist" and refusal["host"] == "denied.test"
+    assert refusal["crew"] == world.crews[runtime] and refusal["mode"] == "restricted"
+    # HTTPS: the CONNECT is refused the same way, and curl says so.
+    tunnel = world.run(runtime, "curl", "-sS", "--max-time", "20", "https://denied.test/")
+    assert tunnel.returncode == 56 and "403" in tunnel.stderr, tunnel
+
+
+def test_no_way_around_the_proxy(world: World, runtime: str) -> None:
+    """Direct connections (curl --noproxy '*'): to the fake provider's own address (which the
+    host would forward to, see the module docstring), to another port there, and to a listener
+    on every host address through the gateway on a port other than the proxy's. Each must fail,
+    the targets see nothing, and the crew's nft drop counter moves."""
+    app = world.app
+    gateway = world.gateways[runtime]
+    listener = HostListener()
+    before_drops = _crew_drops(app)
+    try:
+        targets = [
+            f"https://{world.upstream.address}/",
+            f"http://{world.upstream.address}:80/",
+            f"http://{gateway}:{listener.port}/",
+        ]
+        script = "".join(
+            f"curl --noproxy '*' -sS --connect-timeout 3 -o /dev/null {t}; echo rc=$?; "
+            for t in targets
+        )
+        done = world.run(runtime, "sh", "-c", script)
+        codes = [line for line in done.stdout.splitlines() if line.startswith("rc=")]
+        # 28: connect timed out (the packets are dropped, nothing answers, not even an RST).
+        assert codes == ["rc=28"] * len(targets), done
+        assert listener.hits == 0
+        # The proxy's connections come from the host end of the test's veth; a crew's would come
+        # from its own address (nothing is NATed).
+        assert set(world.fake.peers) <= {world.upstream.host_address}, world.fake.peers
+        assert _crew_drops(app) >= before_drops + len(targets), "nft did not count the drops"
+    finally:
+        listener.close()
+    # The same address is reachable from the host, so the test above could have failed.
+    with socket.create_connection((world.upstream.address, 443), timeout=5):
+        pass
+
+
+# --- 2. the real Claude Code CLI -----------------------------------------------------------------
+
+
+def test_claude_code_completes_through_the_proxy(world: World, runtime: str) -> None:
+    """`claude -p` (the native program of the agent image, /usr/local/bin/claude) with only what
+    the daemon put in the agent's environment (ANTHROPIC_BASE_URL = the crew's gateway) and a
+    placeholder key: the streamed reply is printed, and the fake saw the operator's key."""
+    world.fake.clear()
+    started = time.monotonic()
+    done = world.run(
+        runtime,
+        "env",
+        "-C",
+        "/home/agent",
+        f"ANTHROPIC_API_KEY={CLAUDE_PLACEHOLDER_KEY}",
+        *CLAUDE_QUIET_ENV,
+        "claude",
+        "-p",
+        "say hi",
+        timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    asked = world.fake.log()
+    assert done.returncode == 0, (done, asked, elapsed)
+    assert REPLY in done.stdout, (done, asked)
+    messages = world.fake.messages()
+    assert messages, asked
+    for request in messages:
+        assert request.all("x-api-key") == [REAL_KEYS["anthropic"]], asked
+        assert CLAUDE_PLACEHOLDER_KEY.encode() not in request.body
+        assert json.loads(request.body).get("stream") is True  # SSE, as the real client asks
+    for request in world.fake.requests:
+        assert CLAUDE_PLACEHOLDER_KEY not in json.dumps(request.headers)
+
+
+# --- 3. restart: adoption, interrupted creates, nothing orphaned ---------------------------------
+
+
+def test_restart_adopts_crews_rolls_back_interrupted_ones_and_leaves_nothing(world: World) -> None:
+    app = world.app
+    runtimes = sorted(world.crews)
+    # A SIGKILLed daemon: its crews keep running and are served again after the restart.
+    app.stop(signal.SIGKILL)
+    interrupted_runtime = "runsc" if "runsc" in world.crews else "runc"
+    half = app.crew("half")
+    app.start(env={"APPLIANCED_TEST_KILL_AFTER_STEP": f"{half}:start agent"})
+    for runtime in runtimes:
+        assert world.run(runtime, "true").returncode == 0, app.log_text()
+
+    # Killed right after the agent started (under runsc: a sandbox and a gofer are running).
+    done = app.ctl("crew", "create", half, "--runtime", interrupted_runtime, "--memory", "256m")
+    assert done.returncode in (1, 5), done
+    assert app.wait_exit() == -signal.SIGKILL
+    half_ids = _containers_of(half)
+    assert len(half_ids) == 2
+    if interrupted_runtime == "runsc":
+        assert _runtime_processes_of(half_ids), "expected a running sandbox to clean up"
+
+    app.start()
+    _, status = app.ctl_json("status")
+    assert any("rolled back an interrupted create" in c for c in status["reconcile"]), status
+    assert _containers_of(half) == []
+    assert _runtime_processes_of(half_ids) == []
+    assert sorted(c.split()[0] for c in app.containers()) == sorted(
+        world.crews[r] for r in runtimes for _ in range(2)
+    )
+
+    # Removing every crew leaves nothing: containers, links, rules, volumes, sandboxes.
+    for runtime in runtimes:
+        code, removed = app.ctl_json("crew", "rm", world.crews[runtime])
+        assert code == 0 and removed["removed"], removed
+    all_ids = [i for ids in world.container_ids.values() for i in ids] + half_ids
+    assert app.containers() == []
+    assert app.links() == []
+    assert app.chains() == []
+    ingress = subprocess.run(
+        ["nft", "list", "map", "inet", app.table, "crew_ingress"], capture_output=True, text=True
+    )
+    assert ingress.returncode == 0 and "elements" not in ingress.stdout, ingress.stdout
+    assert _runtime_processes_of(all_ids) == []
+    volumes = subprocess.run(
+        ["docker", "volume", "ls", "-q", "--filter", f"name=appliance-{app.name_prefix}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert volumes == []
+    assert app.ctl_json("crew", "ls")[1]["crews"] == []
