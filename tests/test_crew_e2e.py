@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import pytest
 import trustme
 
+from appliance.runtime.base import AGENT_KEY_PLACEHOLDER, AGENT_KEY_VARIABLES
 from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS
 from tests.daemon_support import Appliance, needs_root_and_docker, new_appliance, remove_volumes
 from tests.fake_anthropic import REPLY, FakeAnthropic, bind_listener
@@ -57,21 +58,6 @@ pytestmark = pytest.mark.docker
 
 RUNTIMES = ["runc", "runsc"]
 PROVIDER_HOST = "api.anthropic.test"
-# What Claude Code is given so that it starts at all: without some API key it exits 1 with "Not
-# logged in · Please run /login" before sending anything.
-# The proxy removes it (x-api-key is one of proxycore.credentials.CREDENTIAL_HEADERS) and puts
-# the appliance's key in its place; the tests assert the placeholder never reaches upstream.
-CLAUDE_PLACEHOLDER_KEY = "placeholder-not-a-key"
-# Anything Claude Code would send besides the Messages API (telemetry, error reports, update
-# checks) is refused by the restricted policy anyway (it completes without these too); these
-# keep it from trying. With them, 2.1.330 sends exactly one POST /v1/messages?beta=true.
-CLAUDE_QUIET_ENV = [
-    "DISABLE_TELEMETRY=1",
-    "DISABLE_ERROR_REPORTING=1",
-    "DISABLE_AUTOUPDATER=1",
-    "DISABLE_BUG_COMMAND=1",
-    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
-]
 # Names an environment variable holding a credential would likely have.
 CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 
@@ -370,7 +356,9 @@ def test_environment_holds_the_proxy_and_no_credential(world: World, runtime: st
     base = f"http://{world.gateways[runtime]}:{world.app.port}"
     assert env["HTTPS_PROXY"] == base and env["HTTP_PROXY"] == base
     assert env["ANTHROPIC_BASE_URL"] == f"{base}/anthropic"
-    assert [name for name in env if CREDENTIAL_NAME.search(name)] == []
+    # Only the placeholders the agent CLIs need to start (the proxy replaces what they send).
+    credential_like = {name: value for name, value in env.items() if CREDENTIAL_NAME.search(name)}
+    assert credential_like == dict.fromkeys(AGENT_KEY_VARIABLES, AGENT_KEY_PLACEHOLDER)
     for key in REAL_KEYS.values():
         assert key not in done.stdout
 
@@ -473,8 +461,10 @@ def test_no_way_around_the_proxy(world: World, runtime: str) -> None:
 
 def test_claude_code_completes_through_the_proxy(world: World, runtime: str) -> None:
     """`claude -p` (the native program of the agent image, /usr/local/bin/claude) with only what
-    the daemon put in the agent's environment (ANTHROPIC_BASE_URL = the crew's gateway) and a
-    placeholder key: the streamed reply is printed, and the fake saw the operator's key."""
+    the daemon put in the agent's environment (ANTHROPIC_BASE_URL = the crew's gateway, the
+    placeholder key it needs to start, telemetry off): the streamed reply is printed, and the
+    fake saw the operator's key, never the placeholder. (With telemetry off, 2.1.330 sends
+    exactly one POST /v1/messages?beta=true; anything else would be refused by the policy.)"""
     world.fake.clear()
     started = time.monotonic()
     done = world.run(
@@ -482,8 +472,6 @@ def test_claude_code_completes_through_the_proxy(world: World, runtime: str) -> 
         "env",
         "-C",
         "/home/agent",
-        f"ANTHROPIC_API_KEY={CLAUDE_PLACEHOLDER_KEY}",
-        *CLAUDE_QUIET_ENV,
         "claude",
         "-p",
         "say hi",
@@ -497,10 +485,10 @@ def test_claude_code_completes_through_the_proxy(world: World, runtime: str) -> 
     assert messages, asked
     for request in messages:
         assert request.all("x-api-key") == [REAL_KEYS["anthropic"]], asked
-        assert CLAUDE_PLACEHOLDER_KEY.encode() not in request.body
+        assert AGENT_KEY_PLACEHOLDER.encode() not in request.body
         assert json.loads(request.body).get("stream") is True  # SSE, as the real client asks
     for request in world.fake.requests:
-        assert CLAUDE_PLACEHOLDER_KEY not in json.dumps(request.headers)
+        assert AGENT_KEY_PLACEHOLDER not in json.dumps(request.headers)
 
 
 # --- 3. restart: adoption, interrupted creates, nothing orphaned ---------------------------------

@@ -653,3 +653,36 @@ def test_register_runsc_keeps_the_rest_of_daemon_json(tmp_path: Path) -> None:
     assert register_runsc(daemon_json) is False  # already there: untouched
     missing = tmp_path / "new" / "daemon.json"
     assert register_runsc(missing) is True and "runsc" in missing.read_text()
+
+
+def test_a_sandbox_whose_container_is_gone_is_killed_and_a_live_one_is_not(  # type: ignore[no-untyped-def]
+    provider, image, crew
+) -> None:
+    # A failed runsc start can leave runsc-sandbox running with no container (ENVIRONMENT.md);
+    # it cannot be provoked on demand here, so a stand-in process carries the same command line
+    # (program name and the bundle path naming a container id the engine does not have).
+    import secrets
+    import subprocess
+
+    gone = secrets.token_hex(32)
+    bundle = f"/run/containerd/io.containerd.runtime.v2.task/moby/{gone}"
+    stand_in = f"exec -a runsc-sandbox python3 -c 'import time; time.sleep(60)' {bundle}"
+    stray = subprocess.Popen(["bash", "-c", stand_in])
+    spec = spec_for(crew, image, "runsc")
+    agent = provider.start_agent(spec, provider.create_infra(spec))
+    try:
+        deadline = time.monotonic() + 5
+        while not any(p.pid == stray.pid for p in provider.stray_runsc_processes()):
+            assert time.monotonic() < deadline, "the stand-in was not seen as a stray"
+            time.sleep(0.05)
+        killed = provider.kill_stray_runsc_processes()
+        assert stray.pid in {p.pid for p in killed}
+        assert all(p.container_id != agent for p in killed)
+        assert stray.wait(timeout=5) == -9
+        ran = subprocess.run(
+            ["docker", "exec", agent, "true"], capture_output=True, timeout=30, check=False
+        )
+        assert ran.returncode == 0, ran.stderr  # the live sandbox was left alone
+    finally:
+        stray.kill()
+        provider.remove_crew(crew)

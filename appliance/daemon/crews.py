@@ -47,6 +47,8 @@ from typing import Any
 import trio
 
 from appliance.runtime.base import (
+    AGENT_KEY_PLACEHOLDER,
+    AGENT_KEY_VARIABLES,
     ContainerRole,
     CrewSpec,
     ExecExited,
@@ -109,6 +111,12 @@ def agent_environment(config: ApplianceConfig, gateway: str) -> dict[str, str]:
         "ANTHROPIC_BASE_URL": f"{base}/anthropic",
         "OPENAI_BASE_URL": f"{base}/openai{openai_suffix}",
         "GOOGLE_GEMINI_BASE_URL": f"{base}/google",
+        # placeholders so the agent CLIs start (runtime/base.py says why they are no credential)
+        **{name: AGENT_KEY_PLACEHOLDER for name in AGENT_KEY_VARIABLES},
+        # Telemetry, error reports and update checks would be refused by a restricted policy
+        # anyway; this keeps Claude Code from trying (and the refusals out of the events).
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "HOME": "/home/agent",
     }
 
@@ -474,9 +482,22 @@ class CrewManager:
                 except Exception as exc:
                     log.exception("reconcile %s", name)
                     changes.append(f"{name}: reconcile failed: {exc}")
+            changes += await self._kill_stray_sandboxes()
         for change in changes:
             log.warning("reconcile: %s", change)
         return changes
+
+    async def _kill_stray_sandboxes(self) -> list[str]:
+        # A failed runsc start can leave its sandbox, gofer and shim running with no container
+        # (ENVIRONMENT.md); the provider finds them by container id in /proc.
+        kill = getattr(self.provider, "kill_stray_runsc_processes", None)
+        if kill is None:
+            return []
+        killed = await trio.to_thread.run_sync(kill)
+        return [
+            f"killed stray runsc process {p.pid} of gone container {p.container_id[:12]}"
+            for p in killed
+        ]
 
     async def _reconcile_row(self, row: CrewRow, containers: list[OwnedContainer]) -> list[str]:
         name = row.name

@@ -39,6 +39,12 @@ DEFAULT_CPUS = 1.0
 PIDS_LIMIT = 200
 TMP_SIZE = "500m"
 
+# The agent CLIs refuse to start without a key of their own (Claude Code: "Not logged in"), so
+# agents get these placeholders, which are not credentials: the proxy removes whatever credential
+# an agent sends and injects the operator's, on an exact provider-host match only.
+AGENT_KEY_PLACEHOLDER = "placeholder-the-appliance-injects-the-key"
+AGENT_KEY_VARIABLES = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY")
+
 KNOWN_RUNTIMES = ("runc", "runsc", "kata-runtime", "sysbox-runc", "crun")
 
 

@@ -503,10 +503,14 @@ class DockerProvider:
 
         A failed runsc start can leave them running (docs/runtime.md). Host-local: reads /proc.
         """
+        # Processes first, then the engine's list: a container is created before its runtime
+        # starts, so any process seen here whose container is alive is in the later list (the
+        # other order would take a sandbox started in between for a stray, and kill it).
+        processes = runtime_processes()
         known = {
             c["Id"] for c in self._call("list containers", lambda: self.api.containers(all=True))
         }
-        return [p for p in runtime_processes() if p.container_id not in known]
+        return [p for p in processes if p.container_id not in known]
 
     def kill_stray_runsc_processes(self) -> list[StrayProcess]:
         """Kill what `stray_runsc_processes` finds (reconciliation); returns what was killed."""
