@@ -121,6 +121,8 @@ def parse_config(text: str | bytes, *, source: str = "<config>") -> ApplianceCon
         raise ConfigInvalid(f"{source}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ConfigInvalid(f"{source}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec decodes bytes itself (fuzz/fuzz_daemon_inputs)
+        raise ConfigInvalid(f"{source}: not UTF-8 (byte {exc.start}): TOML is UTF-8") from None
     return check_config(config, source=source)
 
 
