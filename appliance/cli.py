@@ -744,7 +744,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "proxy" and args.workers < 0:
         parser.error("argument --workers: must be >= 1")
     out = _Output(args.json)
-    result: int = args.func(args, out)
+    try:
+        result: int = args.func(args, out)
+    except BrokenPipeError:
+        # The reader went away (`appliancectl crew ls | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
     return result
 
 
