@@ -78,10 +78,13 @@ def run_proxy_worker(
 ) -> None:
     import trio
 
+    from appliance.hardening import forbid_core_dumps
     from native import headscan
     from native.scrub import native_missing_notice
     from proxycore.server import serve
 
+    # The proxy holds every key it injects: no core dump, no ptrace, /proc/PID root-only.
+    forbid_core_dumps()
     _raise_fd_limit()
 
     async def main() -> None:
