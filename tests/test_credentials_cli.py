@@ -6,8 +6,11 @@ TLS fake provider on loopback."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,6 +157,19 @@ def test_cred_commands_through_a_real_daemon(
             assert proc_holds(pid, value) == [], (pid, value)
         assert core_limit(pid) == "0 0"
     assert proc_holds(proxy_pid, STORE_KEY) == []  # removed from the env before the child
+
+    # The proxy dies: its successor gets the crews' store keys before it serves anyone.
+    os.kill(proxy_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, status = app.ctl_json("status")
+        if status["proxy_restarts"] >= 1 and status["proxy_alive"]:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the proxy did not come back: {app.log_text()}")
+    leak_through_proxy(app, crew, gateway)
+    assert provider.last().all("x-api-key") == [KEY_TWO]
 
     # revoke from the crew: back to the configured key, at once.
     code, revoked = app.ctl_json("cred", "revoke", "claude", crew)
