@@ -78,10 +78,13 @@ def run_proxy_worker(
 ) -> None:
     import trio
 
+    from appliance.hardening import forbid_core_dumps
     from native import headscan
     from native.scrub import native_missing_notice
     from proxycore.server import serve
 
+    # The proxy holds every key it injects: no core dump, no ptrace, /proc/PID root-only.
+    forbid_core_dumps()
     _raise_fd_limit()
 
     async def main() -> None:
@@ -593,6 +596,161 @@ def cmd_net_show(args: argparse.Namespace, out: _Output) -> int:
     return EXIT_OK
 
 
+# -- cred: the credential store ------------------------------------------------------------------
+# A value is read from a file (--from-file) or standard input (a prompt without echo on a TTY, or
+# piped), never from an argument: argv is readable by every user in /proc/PID/cmdline and lands
+# in shell histories. No option takes a value.
+
+
+def _read_value(args: argparse.Namespace, out: _Output) -> bytes | None:
+    """The value from --from-file or stdin, one trailing newline removed; None after an error."""
+    if args.from_file:
+        try:
+            with open(args.from_file, "rb") as handle:
+                data = handle.read(1 << 20)
+        except OSError as exc:
+            out.error(f"argument --from-file: cannot read {args.from_file}: {exc.strerror}", 2)
+            return None
+    elif sys.stdin.isatty():
+        import getpass
+
+        try:
+            data = getpass.getpass(f"value for {args.name} (not echoed): ").encode()
+        except (EOFError, KeyboardInterrupt):
+            out.error("no value entered", EXIT_USAGE)
+            return None
+    else:
+        data = sys.stdin.buffer.read(1 << 20)
+    if data.endswith(b"\r\n"):
+        data = data[:-2]
+    elif data.endswith(b"\n"):
+        data = data[:-1]
+    if not data:
+        source = f"--from-file {args.from_file}" if args.from_file else "standard input"
+        out.error(f"the value from {source} is empty", EXIT_USAGE)
+        return None
+    return data
+
+
+def _cred_line(cred: dict[str, Any]) -> str:
+    grants = ",".join(g["crew"] + (f"/{g['agent']}" if g["agent"] else "") for g in cred["grants"])
+    state = "revoked" if cred["revoked"] else "active"
+    return (
+        f"{cred['name']:<20} {cred['provider']:<10} {cred['kind']:<11} {cred['level']:<5} "
+        f"{cred['version']:<3} {state:<7} {grants or '-'}"
+    )
+
+
+def _cred_result(out: _Output, human: str, cred: dict[str, Any]) -> int:
+    out.result(human, {"ok": True, "credential": cred})
+    return EXIT_OK
+
+
+def cmd_cred_add(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    value = _read_value(args, out)
+    if value is None:
+        return EXIT_USAGE
+    request = messages.AddCredential(
+        name=args.name, provider=args.provider, value=value, level=args.level, kind=args.kind
+    )
+    del value
+    code, cred = _admin(args, out, "POST", "/v1/credentials", request)
+    if code:
+        return code
+    human = f"credential {cred['name']} added ({cred['provider']}, {cred['kind']}, {cred['level']})"
+    return _cred_result(out, human, cred)
+
+
+def cmd_cred_ls(args: argparse.Namespace, out: _Output) -> int:
+    code, listing = _admin(args, out, "GET", "/v1/credentials")
+    if code:
+        return code
+    header = (
+        f"{'NAME':<20} {'PROVIDER':<10} {'KIND':<11} {'LEVEL':<5} {'VER':<3} {'STATE':<7} GRANTS"
+    )
+    human = "\n".join([header, *(_cred_line(c) for c in listing["credentials"])])
+    out.result(human, {"ok": True, **listing})
+    return EXIT_OK
+
+
+def cmd_cred_grant(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    request = messages.GrantCredential(crew=args.crew, agent=args.agent)
+    code, cred = _admin(args, out, "POST", f"/v1/credentials/{args.name}/grant", request)
+    if code:
+        return code
+    who = f"agent {args.agent} of crew {args.crew}" if args.agent else f"crew {args.crew}"
+    return _cred_result(out, f"credential {args.name} granted to {who}", cred)
+
+
+def cmd_cred_revoke(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    request = messages.RevokeCredential(crew=args.crew, agent=args.agent)
+    code, cred = _admin(args, out, "POST", f"/v1/credentials/{args.name}/revoke", request)
+    if code:
+        return code
+    who = f"crew {args.crew}" if args.crew else "every crew (marked revoked)"
+    return _cred_result(out, f"credential {args.name} revoked from {who}", cred)
+
+
+def cmd_cred_rotate(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    value = _read_value(args, out)
+    if value is None:
+        return EXIT_USAGE
+    request = messages.RotateCredential(value=value, level=args.level)
+    del value
+    code, cred = _admin(args, out, "POST", f"/v1/credentials/{args.name}/rotate", request)
+    if code:
+        return code
+    return _cred_result(out, f"credential {args.name} rotated to version {cred['version']}", cred)
+
+
+def _add_cred_parsers(commands: Any, leaf: Any) -> None:
+    cred = commands.add_parser("cred", help="the credential store (values never in arguments)")
+    creds = cred.add_subparsers(dest="cred_command", required=True)
+    from_file = {
+        "metavar": "F",
+        "help": "read the value from this file (default: standard input; a prompt on a TTY)",
+    }
+    add = leaf(creds.add_parser("add", help="add a credential; the value from stdin or a file"))
+    add.add_argument("name")
+    add.add_argument(
+        "--provider", required=True, help="anthropic, openai, google, or a keeper secret's name"
+    )
+    add.add_argument("--level", default="L3", choices=["L1", "L2", "L3"], help="default L3")
+    add.add_argument("--kind", choices=["api_key", "oauth_token", "secret"], default=None)
+    add.add_argument("--from-file", **from_file)
+    add.set_defaults(func=cmd_cred_add)
+    leaf(creds.add_parser("ls", help="list credentials (never their values)")).set_defaults(
+        func=cmd_cred_ls
+    )
+    grant = leaf(creds.add_parser("grant", help="let a crew (or one agent) use a credential"))
+    grant.add_argument("name")
+    grant.add_argument("crew")
+    grant.add_argument("--agent", metavar="ID", help="only this agent id of the crew")
+    grant.set_defaults(func=cmd_cred_grant)
+    revoke = leaf(
+        creds.add_parser("revoke", help="remove a crew's grants, or every grant and mark revoked")
+    )
+    revoke.add_argument("name")
+    revoke.add_argument("crew", nargs="?")
+    revoke.add_argument("--agent", metavar="ID", help="only this agent id's grant")
+    revoke.set_defaults(func=cmd_cred_revoke)
+    rotate = leaf(
+        creds.add_parser("rotate", help="a new value (version + 1), from stdin or a file")
+    )
+    rotate.add_argument("name")
+    rotate.add_argument("--level", choices=["L1", "L2", "L3"], default=None)
+    rotate.add_argument("--from-file", **from_file)
+    rotate.set_defaults(func=cmd_cred_rotate)
+
+
 def _add_admin_parsers(commands: Any) -> None:
     def leaf(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument(
@@ -653,6 +811,8 @@ def _add_admin_parsers(commands: Any) -> None:
     # may come before or after NAME).
     run.add_argument("argv", nargs="*", metavar="-- CMD")
     run.set_defaults(func=cmd_run)
+
+    _add_cred_parsers(commands, leaf)
 
     net = commands.add_parser("net", help="the crews' networks")
     nets = net.add_subparsers(dest="net_command", required=True)

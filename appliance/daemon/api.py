@@ -15,6 +15,8 @@ One request per connection (`Connection: close`): appliancectl opens a connectio
     POST   /v1/crews/{name}/allow      AllowHost -> AllowResult
     POST   /v1/crews/{name}/run        RunCommand -> 200, chunked JSON lines: RunOutput..., RunExit
     GET    /v1/net                     netns.NetworkReport
+    GET    /v1/credentials             CredentialList; POST adds; .../{name}/grant|revoke|rotate
+                                       (appliance/daemon/credentials.py; values only in bodies)
 
 Errors are `{"error": code, "message": text}` with the status the error class carries
 (errors.py): 400 invalid (names the argument), 404 not_found, 409 exists/conflict, 503
@@ -192,6 +194,9 @@ class AdminServer:
         if parts == ["status"]:
             only("GET")
             return _Reply(200, await self.daemon.status())
+        if parts[0] == "credentials":
+            status, reply = await self.daemon.credentials_api.handle(method, parts, body)
+            return _Reply(status, reply)
         if parts == ["net"]:
             only("GET")
             return _Reply(200, await trio.to_thread.run_sync(self.daemon.networks.show))

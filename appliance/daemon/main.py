@@ -3,6 +3,7 @@
 Theory of operation
 -------------------
     lock the state directory (flock: one daemon per state)
+    open the credential store (its key from ENCRYPTION_KEY or the key file; a wrong key stops here)
     open the state (SQLite) and the crews' networks (netns, its own state file under net/)
     start the proxy child (supervised; restarted and re-fed its crews if it dies)
     reconcile (docs/daemon.md): the world is made to match the state rows
@@ -29,12 +30,15 @@ from pathlib import Path
 
 import trio
 
+from appliance.credstore import CredentialStore, load_key
+from appliance.hardening import forbid_core_dumps
 from appliance.runtime.base import RuntimeProvider
 from netns import CrewNetworks
 
 from . import messages
 from .api import AdminServer
 from .config import ApplianceConfig
+from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
 from .proxy import ProxyChild
@@ -95,6 +99,7 @@ class Daemon:
         self.networks: CrewNetworks
         self.crews: CrewManager
         self.proxy: ProxyChild
+        self.credentials_api: CredentialsApi
 
     def _lock_state(self) -> None:
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -128,13 +133,20 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._lock_state()
-        store = StateStore(self.state_dir)
+        credentials = open_credentials(self.config)
+        try:
+            store = StateStore(self.state_dir)
+        except BaseException:
+            credentials.close()
+            raise
         networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
         try:
             self.networks = networks
             self.proxy = ProxyChild(
                 self.config.proxy_config(), self.state_dir, self.config.daemon.proxy_port
             )
+            self.credentials_api = CredentialsApi(credentials, self.proxy)
+            self.proxy.credentials_source = self.credentials_api.source
             images = await trio.to_thread.run_sync(resolve_images, self.config)
             self.crews = CrewManager(
                 self.config,
@@ -166,12 +178,24 @@ class Daemon:
         finally:
             networks.close()
             store.close()
+            credentials.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
 
 
+def open_credentials(config: ApplianceConfig) -> CredentialStore:
+    """The credential store at its configured (or default) path, with its key."""
+    section = config.credentials
+    state_dir = Path(config.daemon.state_dir)
+    key_file = Path(section.key_file or state_dir / "credentials.key")
+    key, _source = load_key(section.key_env or None, key_file)
+    return CredentialStore(Path(section.db or state_dir / "credentials.db"), key)
+
+
 def run_daemon(config: ApplianceConfig) -> int:
     """The foreground daemon; returns the process exit code."""
+    # applianced holds the store's key and, while pushing them, credential values.
+    forbid_core_dumps()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
     try:
         provider = load_provider(config)
