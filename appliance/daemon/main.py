@@ -196,7 +196,11 @@ def run_daemon(config: ApplianceConfig) -> int:
     """The foreground daemon; returns the process exit code."""
     # applianced holds the store's key and, while pushing them, credential values.
     forbid_core_dumps()
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
+    # appliancectl's main configured WARNING for the admin commands; the daemon logs at INFO
+    # (crew and credential changes: names only, never a value).
+    logging.basicConfig(
+        level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", force=True
+    )
     try:
         provider = load_provider(config)
         daemon = Daemon(config, provider, on_step=kill_hook_from_env())
