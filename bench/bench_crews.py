@@ -86,7 +86,6 @@ def hardened_run(image: str) -> list[str]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import docker
 
-    from appliance.daemon import messages
     from appliance.daemon.client import AdminClient
     from appliance.demo import DemoAppliance
     from appliance.runtime.engine import ensure_dockerd
@@ -159,7 +158,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.runs):
                     series["appliancectl_run"].append(timed([*cli, "run", name, "--", "true"]))
                     series["docker_exec_cli"].append(timed(["docker", "exec", agent_id, "true"]))
-                    series["api_run"].append(_api_run(admin, name, messages))
+                    series["api_run"].append(_api_run(admin, name))
                     series["sdk_exec"].append(_sdk_exec(client, agent_id))
                 series["crew_rm"].append(timed([*cli, "crew", "rm", name]))
                 if (index + 1) % 10 == 0:
@@ -213,11 +212,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _api_run(admin: Any, name: str, messages: Any) -> float:
+def _api_run(admin: Any, name: str) -> float:
+    from appliance.daemon.client import RunExit
+
     started = time.perf_counter()
     code = None
     for event in admin.run(name, ["true"], None):
-        if isinstance(event, messages.RunExit):
+        if isinstance(event, RunExit):
             code = event.exit_code
     elapsed = time.perf_counter() - started
     if code != 0:
