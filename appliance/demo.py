@@ -194,6 +194,7 @@ class DemoAppliance:
         provider_port: int | None,
         ca_file: Path | None,
         extra_daemon: str = "",
+        extra_crews: str = "",
     ) -> None:
         """The demo's config; with no provider port, no provider (bench/bench_crews.py)."""
         self.pool = _unrouted_pool()
@@ -228,7 +229,7 @@ infra = "{infra}"
 [crews]
 name_prefix = "{self.name_prefix}"
 default_memory_bytes = 268435456
-
+{extra_crews}
 [net]
 pool = "{self.pool}"
 table = "{self.table}"

@@ -14,7 +14,7 @@ One request per connection (`Connection: close`): appliancectl opens a connectio
     DELETE /v1/crews/{name}            Removed
     POST   /v1/crews/{name}/allow      AllowHost -> AllowResult
     POST   /v1/crews/{name}/run        RunCommand -> 200, chunked JSON lines: RunOutput..., RunExit
-    GET    /v1/net                     netns.NetworkReport
+    GET    /v1/net                     netns.NetworkReport (crews by name, then free pool slots)
 
 Errors are `{"error": code, "message": text}` with the status the error class carries
 (errors.py): 400 invalid (names the argument), 404 not_found, 409 exists/conflict, 503
@@ -194,7 +194,7 @@ class AdminServer:
             return _Reply(200, await self.daemon.status())
         if parts == ["net"]:
             only("GET")
-            return _Reply(200, await trio.to_thread.run_sync(self.daemon.networks.show))
+            return _Reply(200, await self.daemon.crews.net_report())
         if parts == ["crews"]:
             only("GET", "POST")
             if method == "GET":
