@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import resource
 import signal
@@ -486,16 +485,15 @@ def _crew_details(crew: dict[str, Any]) -> str:
 
 
 def cmd_crew_create(args: argparse.Namespace, out: _Output) -> int:
-    from appliance.daemon import messages
-
-    request = messages.CreateCrew(
-        name=args.name,
-        mode=args.mode,
-        allow=tuple(host for group in args.allow for host in group),
-        runtime=args.runtime,
-        memory_bytes=args.memory,
-        cpus=args.cpus,
-    )
+    # A plain dict (the fields of messages.CreateCrew): the admin commands leave msgspec out.
+    request = {
+        "name": args.name,
+        "mode": args.mode,
+        "allow": [host for group in args.allow for host in group],
+        "runtime": args.runtime,
+        "memory_bytes": args.memory,
+        "cpus": args.cpus,
+    }
     code, crew = _admin(args, out, "POST", "/v1/crews", request)
     if code:
         return code
@@ -522,11 +520,7 @@ def cmd_crew_show(args: argparse.Namespace, out: _Output) -> int:
 
 
 def cmd_crew_allow(args: argparse.Namespace, out: _Output) -> int:
-    from appliance.daemon import messages
-
-    code, result = _admin(
-        args, out, "POST", f"/v1/crews/{args.name}/allow", messages.AllowHost(host=args.host)
-    )
+    code, result = _admin(args, out, "POST", f"/v1/crews/{args.name}/allow", {"host": args.host})
     if code:
         return code
     state = "added" if result["changed"] else "already allowed"
@@ -543,8 +537,7 @@ def cmd_crew_rm(args: argparse.Namespace, out: _Output) -> int:
 
 
 def cmd_run(args: argparse.Namespace, out: _Output) -> int:
-    from appliance.daemon import messages
-    from appliance.daemon.client import AdminClient, AdminError, Unreachable
+    from appliance.daemon.client import AdminClient, AdminError, RunExit, Unreachable
 
     argv = list(args.argv)
     if not argv:
@@ -553,7 +546,7 @@ def cmd_run(args: argparse.Namespace, out: _Output) -> int:
     exit_code = EXIT_FAILURE
     try:
         for event in client.run(args.name, argv, args.timeout):
-            if isinstance(event, messages.RunExit):
+            if isinstance(event, RunExit):
                 exit_code = EXIT_TIMED_OUT if event.timed_out else event.exit_code
                 if out.as_json:
                     print(json.dumps({"exit_code": event.exit_code, "timed_out": event.timed_out}))
@@ -890,8 +883,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that only talk to applianced's admin socket: they import the socket client and
+# json, nothing else (no logging, msgspec, trio, docker, netns, proxycore, native).
+_ADMIN_SOCKET_COMMANDS = frozenset({"status", "crew", "run", "net"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
     arguments = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
@@ -903,6 +900,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = [*args.argv, *command]
     if args.command == "proxy" and args.workers < 0:
         parser.error("argument --workers: must be >= 1")
+    if args.command not in _ADMIN_SOCKET_COMMANDS:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     out = _Output(args.json)
     try:
         result: int = args.func(args, out)

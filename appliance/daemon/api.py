@@ -14,7 +14,7 @@ One request per connection (`Connection: close`): appliancectl opens a connectio
     DELETE /v1/crews/{name}            Removed
     POST   /v1/crews/{name}/allow      AllowHost -> AllowResult
     POST   /v1/crews/{name}/run        RunCommand -> 200, chunked JSON lines: RunOutput..., RunExit
-    GET    /v1/net                     netns.NetworkReport
+    GET    /v1/net                     netns.NetworkReport (crews by name, then free pool slots)
     GET    /v1/credentials             CredentialList; POST adds; .../{name}/grant|revoke|rotate
                                        (appliance/daemon/credentials.py; values only in bodies)
 
@@ -199,7 +199,7 @@ class AdminServer:
             return _Reply(status, reply)
         if parts == ["net"]:
             only("GET")
-            return _Reply(200, await trio.to_thread.run_sync(self.daemon.networks.show))
+            return _Reply(200, await self.daemon.crews.net_report())
         if parts == ["crews"]:
             only("GET", "POST")
             if method == "GET":

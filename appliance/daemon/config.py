@@ -78,6 +78,10 @@ class CrewsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_cpus: float = 0.1
     # 0: the number of CPUs of the host.
     max_cpus: float = 0.0
+    # Pre-plumbed infra namespaces kept ready (infra container running, network attached and
+    # its rules in place, no agent ever): `crew create` takes one instead of creating both.
+    # 0 disables the pool. docs/daemon.md, "The infra pool".
+    infra_pool: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
 
 
 class CredentialsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -129,6 +129,8 @@ class Daemon:
             crews_ready=sum(1 for r in rows if r.phase is CrewPhase.READY),
             started=self.started,
             reconcile=self.reconcile_changes,
+            pool_size=self.config.crews.infra_pool,
+            pool_ready=self.crews.pool_ready(),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -160,6 +162,14 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())
+                # Filled in the background: a create before a slot is ready builds its own.
+                pool_scope = trio.CancelScope()
+
+                async def keep_pool() -> None:
+                    with pool_scope:
+                        await self.crews.keep_pool()
+
+                nursery.start_soon(keep_pool)
                 await nursery.start(AdminServer(self).serve, self.config.daemon.admin_socket)
                 print(
                     f"applianced: ready (pid {os.getpid()}, admin socket "
@@ -172,6 +182,8 @@ class Daemon:
                     async for signum in signals:
                         log.warning("signal %d: shutting down", signum)
                         break
+                # The pool first: a fill in progress is finished or undone, never left half.
+                pool_scope.cancel()
                 if self.config.daemon.stop_crews_on_exit:
                     await self.crews.stop_all()
                 nursery.cancel_scope.cancel()

@@ -81,6 +81,8 @@ class Status(msgspec.Struct, frozen=True):
     crews_ready: int
     started: float
     reconcile: tuple[str, ...]  # what the reconciliation at start changed
+    pool_size: int = 0  # [crews] infra_pool: pre-plumbed infra namespaces kept ready
+    pool_ready: int = 0  # how many are ready now (a crew create takes one)
 
 
 class RunOutput(msgspec.Struct, frozen=True):
