@@ -181,6 +181,12 @@ class AdminClient:
         if body is None:
             data = b""
         else:
+            if hasattr(body, "__struct_fields__"):
+                # A msgspec Struct (the `cred` commands build typed requests): only then is
+                # msgspec imported, which the other admin commands leave out for start-up time.
+                import msgspec
+
+                body = msgspec.to_builtins(body)
             data = json.dumps(body, separators=(",", ":")).encode()
             head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
         try:
