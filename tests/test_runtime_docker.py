@@ -663,10 +663,13 @@ def test_a_sandbox_whose_container_is_gone_is_killed_and_a_live_one_is_not(  # t
     # (program name and the bundle path naming a container id the engine does not have).
     import secrets
     import subprocess
+    import sys
 
     gone = secrets.token_hex(32)
     bundle = f"/run/containerd/io.containerd.runtime.v2.task/moby/{gone}"
-    stand_in = f"exec -a runsc-sandbox python3 -c 'import time; time.sleep(60)' {bundle}"
+    # (the interpreter itself, not `python3`: a shim on PATH, pyenv's say, would exec the real
+    # one under its own name)
+    stand_in = f"exec -a runsc-sandbox {sys.executable} -c 'import time; time.sleep(60)' {bundle}"
     stray = subprocess.Popen(["bash", "-c", stand_in])
     spec = spec_for(crew, image, "runsc")
     agent = provider.start_agent(spec, provider.create_infra(spec))
