@@ -94,7 +94,10 @@ class ProxyDeny(Entry, frozen=True, tag="proxy.deny"):
     status: int
 
     def summary(self) -> str:
-        return f"deny {self.method} {self.host}:{self.port} ({self.route}, {self.rule}) -> {self.status}"
+        return (
+            f"deny {self.method} {self.host}:{self.port} ({self.route}, {self.rule}) "
+            f"-> {self.status}"
+        )
 
 
 class CredentialInjected(Entry, frozen=True, tag="credential.injected"):

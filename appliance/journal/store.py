@@ -219,7 +219,8 @@ class Journal:
         last = self._conn.execute(
             "SELECT seq, hash FROM entries ORDER BY seq DESC LIMIT 1"
         ).fetchone()
-        self._seq, self._hash = (last[0], last[1]) if last else (0, GENESIS)
+        self._seq: int = int(last[0]) if last else 0
+        self._hash: str = str(last[1]) if last else GENESIS
         self._thread = threading.Thread(target=self._writer, name="journal-writer", daemon=True)
         self._thread.start()
 
@@ -293,17 +294,18 @@ class Journal:
         try:
             scrubbed = E.decode(payload)
         except msgspec.DecodeError:
-            workspace, crew, agent, mission, trace = _scope(entry)
             scrubbed = E.Redacted(
                 ts=entry.ts,
-                workspace=self.scrubber.scrub_text(workspace),
+                workspace=self.scrubber.scrub_text(entry.workspace),
                 original_type=str(type(entry).__struct_config__.tag),
             )
             payload = E.encode(scrubbed)
         summary = self.scrubber.scrub_text(scrubbed.summary())
         return scrubbed, payload.decode("utf-8", "surrogateescape"), summary
 
-    def _write_batch(self, batch: list[tuple[E.Entry, Ticket, tuple[str, int] | None]]) -> list[int]:
+    def _write_batch(
+        self, batch: list[tuple[E.Entry, Ticket, tuple[str, int] | None]]
+    ) -> list[int]:
         rows = []
         seq, prev = self._seq, self._hash
         cursors: dict[str, int] = {}
@@ -347,7 +349,9 @@ class Journal:
 
     def cursor(self, source: str) -> int:
         with _reader(self.path) as conn:
-            row = conn.execute("SELECT position FROM cursors WHERE source = ?", (source,)).fetchone()
+            row = conn.execute(
+                "SELECT position FROM cursors WHERE source = ?", (source,)
+            ).fetchone()
         return int(row[0]) if row else 0
 
     def tail(
@@ -384,7 +388,9 @@ class _reader:
         self.conn.close()
 
 
-_COLUMNS = "seq, ts, type, workspace, crew, agent, mission, trace_id, summary, payload, prev_hash, hash"
+_COLUMNS = (
+    "seq, ts, type, workspace, crew, agent, mission, trace_id, summary, payload, prev_hash, hash"
+)
 
 
 def _rows(cursor: sqlite3.Cursor) -> list[Row]:
@@ -403,7 +409,7 @@ def tail(
         # "run" matches every run.* type; "run.failed" only itself.
         where.append("(type = ? OR type LIKE ?)")
         args += [type, type + ".%"]  # type: ignore[list-item]
-    sql = f"SELECT {_COLUMNS} FROM entries WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?"
+    sql = f"SELECT {_COLUMNS} FROM entries WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?"  # noqa: S608 (fixed clauses; values are bound)
     with _reader(path) as conn:
         rows = _rows(conn.execute(sql, (*args, n)))
     return rows[::-1]
@@ -428,7 +434,10 @@ def search(path: Path, query: str, limit: int = 50) -> list[Row]:
             return []
         marks = ",".join("?" * len(seqs))
         return _rows(
-            conn.execute(f"SELECT {_COLUMNS} FROM entries WHERE seq IN ({marks}) ORDER BY seq", seqs)
+            conn.execute(
+                f"SELECT {_COLUMNS} FROM entries WHERE seq IN ({marks}) ORDER BY seq",  # noqa: S608
+                seqs,
+            )
         )
 
 
@@ -438,7 +447,7 @@ def export(path: Path, batch: int = 1000) -> Iterator[Row]:
         with _reader(path) as conn:
             rows = _rows(
                 conn.execute(
-                    f"SELECT {_COLUMNS} FROM entries WHERE seq > ? ORDER BY seq LIMIT ?",
+                    f"SELECT {_COLUMNS} FROM entries WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
                     (after, batch),
                 )
             )
@@ -507,7 +516,9 @@ def verify(path: Path, anchor_path: Path | None = None) -> VerifyReport:
                 )
             break
         if chain_hash(row.prev_hash, row.seq, row.summary, row.payload) != row.hash:
-            problem = Problem(row.seq, "edited", f"entry {row.seq}: content does not match its hash")
+            problem = Problem(
+                row.seq, "edited", f"entry {row.seq}: content does not match its hash"
+            )
             break
         try:
             entry = E.decode(row.payload)
@@ -517,7 +528,9 @@ def verify(path: Path, anchor_path: Path | None = None) -> VerifyReport:
         columns = (row.ts, row.type, row.workspace, row.crew, row.agent, row.mission, row.trace_id)
         tag = str(type(entry).__struct_config__.tag)
         if columns != (entry.ts, tag, *_scope(entry)):
-            problem = Problem(row.seq, "edited", f"entry {row.seq}: columns differ from its payload")
+            problem = Problem(
+                row.seq, "edited", f"entry {row.seq}: columns differ from its payload"
+            )
             break
         if anchor is not None and row.seq == anchor[0]:
             anchor_row_hash = row.hash
@@ -544,5 +557,3 @@ def verify(path: Path, anchor_path: Path | None = None) -> VerifyReport:
         anchor_seq=anchor[0] if anchor else None,
         problem=problem,
     )
-
-
