@@ -81,6 +81,15 @@ class AdminClient:
         finally:
             response.close()
 
+    def lines(self, target: str) -> Iterator[bytes]:
+        """A streamed JSON-lines answer (journal export), one raw line at a time."""
+        response = self._open("GET", target, None)
+        try:
+            while line := response.readline():
+                yield line
+        finally:
+            response.close()
+
     def run(
         self, crew: str, argv: list[str], timeout: float | None
     ) -> Iterator[messages.RunOutput | messages.RunExit]:

@@ -4,6 +4,7 @@ Theory of operation
 -------------------
     lock the state directory (flock: one daemon per state)
     open the state (SQLite) and the crews' networks (netns, its own state file under net/)
+    open the journal (journal.db, docs/journal.md) and follow the proxy's event file into it
     start the proxy child (supervised; restarted and re-fed its crews if it dies)
     reconcile (docs/daemon.md): the world is made to match the state rows
     open the admin socket (only now: no request sees a half-reconciled state)
@@ -27,8 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import trio
 
+from appliance.journal import Journal
+from appliance.journal.recorder import JournalRecorder
 from appliance.runtime.base import RuntimeProvider
 from netns import CrewNetworks
 
@@ -43,6 +47,9 @@ from .state import CrewPhase, StateStore
 log = logging.getLogger("applianced")
 
 LOCK_FILE = "applianced.lock"
+JOURNAL_FILE = "journal.db"
+# The proxy child writes its decisions here (proxycore/events.py); applianced journals them.
+PROXY_EVENTS_FILE = "proxy-events.jsonl"
 
 
 def load_provider(config: ApplianceConfig) -> RuntimeProvider:
@@ -95,6 +102,7 @@ class Daemon:
         self.networks: CrewNetworks
         self.crews: CrewManager
         self.proxy: ProxyChild
+        self.journal: Journal
 
     def _lock_state(self) -> None:
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -130,11 +138,21 @@ class Daemon:
         self._lock_state()
         store = StateStore(self.state_dir)
         networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
+        journal = Journal(self.state_dir / JOURNAL_FILE)
+        recorder = JournalRecorder(journal)
         try:
             self.networks = networks
-            self.proxy = ProxyChild(
-                self.config.proxy_config(), self.state_dir, self.config.daemon.proxy_port
-            )
+            self.journal = journal
+            proxy_config = self.config.proxy_config()
+            events_path = self.state_dir / PROXY_EVENTS_FILE
+            if proxy_config.events.path is None:
+                proxy_config = msgspec.structs.replace(
+                    proxy_config,
+                    events=msgspec.structs.replace(proxy_config.events, path=str(events_path)),
+                )
+            elif proxy_config.events.path != "-":
+                events_path = Path(proxy_config.events.path)
+            self.proxy = ProxyChild(proxy_config, self.state_dir, self.config.daemon.proxy_port)
             images = await trio.to_thread.run_sync(resolve_images, self.config)
             self.crews = CrewManager(
                 self.config,
@@ -145,7 +163,9 @@ class Daemon:
                 images,
                 on_step=self.on_step,
             )
+            self.crews.journal = recorder
             async with trio.open_nursery() as nursery:
+                await nursery.start(recorder.ingest_proxy_events, events_path)
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())
                 await nursery.start(AdminServer(self).serve, self.config.daemon.admin_socket)
@@ -165,6 +185,7 @@ class Daemon:
                 nursery.cancel_scope.cancel()
         finally:
             networks.close()
+            journal.close()  # writes what is queued first
             store.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)

@@ -400,7 +400,8 @@ def _rows(cursor: sqlite3.Cursor) -> list[Row]:
 def tail(
     path: Path, n: int = 20, *, crew: str | None = None, type: str | None = None, after: int = 0
 ) -> list[Row]:
-    """The last `n` entries after seq `after` matching the filters, oldest first."""
+    """Matching entries oldest first: the last `n`, or with `after` the first `n` after that seq
+    (what `tail -f` pages with, so a burst is never skipped)."""
     where, args = ["seq > ?"], [after]
     if crew is not None:
         where.append("crew = ?")
@@ -409,10 +410,11 @@ def tail(
         # "run" matches every run.* type; "run.failed" only itself.
         where.append("(type = ? OR type LIKE ?)")
         args += [type, type + ".%"]  # type: ignore[list-item]
-    sql = f"SELECT {_COLUMNS} FROM entries WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?"  # noqa: S608 (fixed clauses; values are bound)
+    order = "ASC" if after else "DESC"
+    sql = f"SELECT {_COLUMNS} FROM entries WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"  # noqa: S608 (fixed clauses; values are bound)
     with _reader(path) as conn:
         rows = _rows(conn.execute(sql, (*args, n)))
-    return rows[::-1]
+    return rows if after else rows[::-1]
 
 
 def search(path: Path, query: str, limit: int = 50) -> list[Row]:
