@@ -3,8 +3,10 @@ sqlite3, FTS search, scrubbing, the bounded queue and durability across a real S
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -329,3 +331,137 @@ def test_nothing_acknowledged_is_lost_to_sigkill(tmp_path: Path) -> None:
     reopened.append(E.CrewRemoved(crew="c1"))
     assert reopened.verify().ok
     reopened.close()
+
+
+# -- refusing, not skipping, when the journal is behind -------------------------------------
+
+
+def test_the_proxy_refuses_crew_traffic_while_audit_is_paused(
+    tmp_path: Path, provider: object, ca_file: str
+) -> None:
+    """A real proxy child: AuditPaused(True) turns every route into a readable 503."""
+    from proxycore import control
+    from tests.conftest import free_port, proxy_env, write_proxy_config
+    from tests.test_daemon_proxy_channel import curl, listening, request
+
+    port = free_port()
+    config, _, _ = write_proxy_config(
+        tmp_path,
+        port=port,
+        provider_port=provider.port,  # type: ignore[attr-defined]
+        ca_file=ca_file,
+        gateway="127.0.0.9",
+    )
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config)),
+            *("--control-fd", str(theirs.fileno())),
+        ],
+        env=proxy_env(),
+        pass_fds=[theirs.fileno()],
+        stderr=subprocess.DEVNULL,
+    )
+    theirs.close()
+    try:
+        ours.settimeout(10)
+        gateway = "127.0.0.27"
+        listener = listening(gateway, port)
+        reply = request(
+            ours,
+            control.CrewAdd(name="alpha", gateway=gateway, mode="restricted", listener=True),
+            listener,
+        )
+        listener.close()
+        assert reply["ok"]
+        url = f"http://{gateway}:{port}/anthropic/v1/models"
+        assert curl("-f", url).returncode == 0
+        assert request(ours, control.AuditPaused(paused=True)) == {"ok": True, "changed": True}
+        refused = curl("-w", "\\n%{http_code}", url)
+        body, status = refused.stdout.rsplit("\n", 1)
+        assert status == "503"
+        assert json.loads(body)["error"] == "audit_unavailable"
+        assert "journal is behind" in json.loads(body)["message"]
+        tunnel = curl(
+            "-w", "%{http_code}", "-p", "-x", f"http://{gateway}:{port}", "https://x.test/"
+        )
+        assert "503" in tunnel.stdout + tunnel.stderr
+        assert request(ours, control.AuditPaused(paused=False)) == {"ok": True, "changed": True}
+        assert curl("-f", url).returncode == 0
+    finally:
+        ours.close()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_ingest_waits_when_full_signals_and_loses_nothing(tmp_path: Path) -> None:
+    """The proxy's event file into the journal: a full queue pauses the crews (the signal), the
+    file buffers, every event lands exactly once, across a restart of the ingester too."""
+    import trio
+
+    from appliance.journal.recorder import PROXY_SOURCE, JournalRecorder
+    from proxycore import events as pe
+
+    events_file = tmp_path / "proxy-events.jsonl"
+    encoder = msgspec.json.Encoder()
+
+    def write_events(start: int, count: int) -> None:
+        with open(events_file, "ab") as file:
+            for i in range(start, start + count):
+                file.write(
+                    encoder.encode(
+                        pe.RequestDenied(
+                            crew="c1", mode="restricted", route="forward", method="GET",
+                            host=f"h{i}.example", port=80, rule="not_in_allowlist", status=403,
+                        )
+                    )
+                    + b"\n"
+                )  # fmt: skip
+
+    journal = Journal(tmp_path / "journal.db", capacity=8, max_batch=4)
+    signals: list[bool] = []
+
+    async def backpressure(paused: bool) -> None:
+        signals.append(paused)
+
+    async def main() -> None:
+        recorder = JournalRecorder(journal, on_backpressure=backpressure)
+        blocker = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # the disk "stalls": the writer cannot commit
+        write_events(0, 100)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(recorder.ingest_proxy_events, events_file)
+            with trio.fail_after(10):
+                while not signals:
+                    await trio.sleep(0.01)
+            assert signals == [True]  # refused, not skipped
+            blocker.execute("COMMIT")
+            blocker.close()
+            with trio.fail_after(20):
+                while journal.cursor(PROXY_SOURCE) < events_file.stat().st_size or signals[-1]:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        assert signals == [True, False]
+
+    trio.run(main)
+    write_events(100, 5)  # written while no ingester runs
+
+    async def again() -> None:
+        recorder = JournalRecorder(journal)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(recorder.ingest_proxy_events, events_file)
+            with trio.fail_after(10):
+                while journal.cursor(PROXY_SOURCE) < events_file.stat().st_size:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    trio.run(again)
+    rows = journal.tail(1000)
+    hosts = [msgspec.json.decode(r.payload)["host"] for r in rows]
+    assert hosts == [f"h{i}.example" for i in range(105)]
+    assert {r.type for r in rows} == {"proxy.deny"}
+    assert journal.verify().ok
+    journal.close()

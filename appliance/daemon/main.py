@@ -115,6 +115,9 @@ class Daemon:
             raise Unavailable(f"another applianced holds {self.state_dir}") from None
         self._lock_fd = fd
 
+    async def _audit_paused(self, paused: bool) -> None:
+        await self.proxy.set_audit_paused(paused)
+
     async def status(self) -> messages.Status:
         rows = self.crews.store.crews()
         return messages.Status(
@@ -139,7 +142,7 @@ class Daemon:
         store = StateStore(self.state_dir)
         networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
         journal = Journal(self.state_dir / JOURNAL_FILE)
-        recorder = JournalRecorder(journal)
+        recorder = JournalRecorder(journal, on_backpressure=self._audit_paused)
         try:
             self.networks = networks
             self.journal = journal

@@ -55,6 +55,7 @@ class ProxyChild:
         self.listeners: dict[str, socket.socket] = {}
         self._ready = trio.Event()
         self.restarts = 0
+        self.audit_paused = False  # the journal is behind: crews are refused (docs/journal.md)
 
     @property
     def pid(self) -> int | None:
@@ -95,6 +96,8 @@ class ProxyChild:
                     reply = await client.request(control.Ping())
                 if not reply.ok:
                     raise Unavailable(f"the proxy refused a ping: {reply.error}")
+                if self.audit_paused:
+                    await client.request(control.AuditPaused(paused=True))
                 for entry in list(self.crews.values()):
                     await self._send_add(client, entry)
             except (trio.TooSlowError, trio.BrokenResourceError, OSError) as exc:
@@ -204,6 +207,13 @@ class ProxyChild:
         if not reply.ok:
             raise Unavailable(f"the proxy refused {host!r} for crew {name!r}: {reply.error}")
         return reply.changed
+
+    async def set_audit_paused(self, paused: bool) -> None:
+        """Refuse (or serve again) every crew's traffic while the journal cannot record it."""
+        self.audit_paused = paused
+        reply = await self._request(control.AuditPaused(paused=paused))
+        if not reply.ok:
+            raise Unavailable(f"the proxy refused audit_paused={paused}: {reply.error}")
 
     async def ping(self) -> bool:
         try:

@@ -14,7 +14,10 @@ journal it records nothing, so CrewManager works unchanged in tests that do not 
   batches from its own task, never blocking a request) and turns each event into an entry. The
   file is the buffer between the two processes: when the journal's queue is full the ingester
   waits and reads on later, nothing is dropped. Its read position is stored in the journal in the
-  same transaction as the entries read, so a crash neither skips nor repeats an event.
+  same transaction as the entries read, so a crash neither skips nor repeats an event. When the
+  backlog (file bytes not yet journaled) passes BACKLOG_HIGH, or the queue is full, it calls
+  `on_backpressure(True)`: applianced then tells the proxy to refuse crew traffic (503
+  audit_unavailable) until the backlog is under BACKLOG_LOW (`on_backpressure(False)`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +43,12 @@ log = logging.getLogger("applianced.journal")
 
 PROXY_SOURCE = "proxy-events"
 FULL_RETRY = 0.05
+# The proxy's traffic is refused while the unjournaled part of its event file is above HIGH
+# bytes (or the journal's queue is full), and served again once it is under LOW.
+BACKLOG_HIGH = 4 << 20
+BACKLOG_LOW = 1 << 20
+
+Backpressure = Callable[[bool], Awaitable[None]]
 
 
 def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
@@ -92,8 +101,27 @@ def crew_created(row: _CrewLike) -> E.CrewCreated:
 
 
 class JournalRecorder:
-    def __init__(self, journal: Journal | None = None) -> None:
+    def __init__(
+        self, journal: Journal | None = None, on_backpressure: Backpressure | None = None
+    ) -> None:
         self.journal = journal
+        self.on_backpressure = on_backpressure
+        self.backpressure = False
+
+    async def _signal(self, paused: bool) -> None:
+        if paused == self.backpressure:
+            return
+        self.backpressure = paused
+        log.warning(
+            "journal %s: crew traffic %s",
+            "behind" if paused else "caught up",
+            "refused" if paused else "served again",
+        )
+        if self.on_backpressure is not None:
+            try:
+                await self.on_backpressure(paused)
+            except Exception as exc:  # the proxy is restarting: it gets the state on restore
+                log.error("could not tell the proxy audit_paused=%s: %s", paused, exc)
 
     async def record(self, entry: E.Entry) -> int | None:
         """Append and wait until it is on disk; waits for room if the queue is full."""
@@ -211,7 +239,17 @@ class JournalRecorder:
             if size < position:  # the file was replaced or truncated: start over
                 position = 0
             if size > position:
+                before = position
                 position = await self._ingest_chunk(journal, path, position, decoder)
+                backlog = size - position
+                if backlog > BACKLOG_HIGH:
+                    await self._signal(True)
+                elif backlog < BACKLOG_LOW and journal.pending < journal.capacity // 2:
+                    await self._signal(False)
+                if backlog and position > before:
+                    continue  # more whole lines to read now
+            elif journal.pending < journal.capacity // 2:
+                await self._signal(False)
             await trio.sleep(interval)
 
     async def _ingest_chunk(
@@ -244,6 +282,7 @@ class JournalRecorder:
                     last = journal.submit(entry, cursor=(PROXY_SOURCE, offset))
                     break
                 except JournalFull:
+                    await self._signal(True)
                     await trio.sleep(FULL_RETRY)
         if last is not None:
             await trio.to_thread.run_sync(last.wait, 30.0)
