@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from appliance.demo_upstream import FakeServer
+from tests.conftest import ROOT, proxy_env
 from tests.daemon_support import (
     Appliance,
     busybox_images,
@@ -44,8 +48,6 @@ def entries(app: Appliance, *args: str) -> list[dict[str, object]]:
 
 
 def wait_for_type(app: Appliance, kind: str, timeout: float = 10.0) -> list[dict[str, object]]:
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = entries(app, "--type", kind)
@@ -76,7 +78,36 @@ def test_journal_records_crews_runs_and_proxy_decisions(
     assert "403" in app.ctl("run", name, "--", "sh", "-c", raw).stdout
     assert app.ctl("run", name, "--", "sh", "-c", "exit 7").returncode == 7
     assert app.ctl("run", name, "--timeout", "1", "--", "sleep", "30").returncode == 124
-    assert app.ctl_json("crew", "allow", name, "other.test")[0] == 0
+    follow = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "--socket",
+            str(app.socket),
+            "--json",
+            "journal",
+            "tail",
+            "-f",
+            "-n",
+            "0",
+            "--type",
+            "allowlist.changed",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=proxy_env(),
+    )
+    try:
+        time.sleep(1.0)  # it has read the current end
+        assert app.ctl_json("crew", "allow", name, "other.test")[0] == 0
+        assert follow.stdout is not None
+        followed = json.loads(follow.stdout.readline())
+        assert followed["type"] == "allowlist.changed" and "other.test" in followed["summary"]
+    finally:
+        follow.kill()
+        follow.wait()
 
     allow = wait_for_type(app, "proxy.allow")
     assert any(e["crew"] == name and "plain.test" in str(e["summary"]) for e in allow)
