@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import resource
 import signal
@@ -79,10 +78,13 @@ def run_proxy_worker(
 ) -> None:
     import trio
 
+    from appliance.hardening import forbid_core_dumps
     from native import headscan
     from native.scrub import native_missing_notice
     from proxycore.server import serve
 
+    # The proxy holds every key it injects: no core dump, no ptrace, /proc/PID root-only.
+    forbid_core_dumps()
     _raise_fd_limit()
 
     async def main() -> None:
@@ -484,16 +486,15 @@ def _crew_details(crew: dict[str, Any]) -> str:
 
 
 def cmd_crew_create(args: argparse.Namespace, out: _Output) -> int:
-    from appliance.daemon import messages
-
-    request = messages.CreateCrew(
-        name=args.name,
-        mode=args.mode,
-        allow=tuple(host for group in args.allow for host in group),
-        runtime=args.runtime,
-        memory_bytes=args.memory,
-        cpus=args.cpus,
-    )
+    # A plain dict (the fields of messages.CreateCrew): the admin commands leave msgspec out.
+    request = {
+        "name": args.name,
+        "mode": args.mode,
+        "allow": [host for group in args.allow for host in group],
+        "runtime": args.runtime,
+        "memory_bytes": args.memory,
+        "cpus": args.cpus,
+    }
     code, crew = _admin(args, out, "POST", "/v1/crews", request)
     if code:
         return code
@@ -520,11 +521,7 @@ def cmd_crew_show(args: argparse.Namespace, out: _Output) -> int:
 
 
 def cmd_crew_allow(args: argparse.Namespace, out: _Output) -> int:
-    from appliance.daemon import messages
-
-    code, result = _admin(
-        args, out, "POST", f"/v1/crews/{args.name}/allow", messages.AllowHost(host=args.host)
-    )
+    code, result = _admin(args, out, "POST", f"/v1/crews/{args.name}/allow", {"host": args.host})
     if code:
         return code
     state = "added" if result["changed"] else "already allowed"
@@ -541,8 +538,7 @@ def cmd_crew_rm(args: argparse.Namespace, out: _Output) -> int:
 
 
 def cmd_run(args: argparse.Namespace, out: _Output) -> int:
-    from appliance.daemon import messages
-    from appliance.daemon.client import AdminClient, AdminError, Unreachable
+    from appliance.daemon.client import AdminClient, AdminError, RunExit, Unreachable
 
     argv = list(args.argv)
     if not argv:
@@ -551,7 +547,7 @@ def cmd_run(args: argparse.Namespace, out: _Output) -> int:
     exit_code = EXIT_FAILURE
     try:
         for event in client.run(args.name, argv, args.timeout):
-            if isinstance(event, messages.RunExit):
+            if isinstance(event, RunExit):
                 exit_code = EXIT_TIMED_OUT if event.timed_out else event.exit_code
                 if out.as_json:
                     print(json.dumps({"exit_code": event.exit_code, "timed_out": event.timed_out}))
@@ -683,6 +679,161 @@ def cmd_net_show(args: argparse.Namespace, out: _Output) -> int:
     return EXIT_OK
 
 
+# -- cred: the credential store ------------------------------------------------------------------
+# A value is read from a file (--from-file) or standard input (a prompt without echo on a TTY, or
+# piped), never from an argument: argv is readable by every user in /proc/PID/cmdline and lands
+# in shell histories. No option takes a value.
+
+
+def _read_value(args: argparse.Namespace, out: _Output) -> bytes | None:
+    """The value from --from-file or stdin, one trailing newline removed; None after an error."""
+    if args.from_file:
+        try:
+            with open(args.from_file, "rb") as handle:
+                data = handle.read(1 << 20)
+        except OSError as exc:
+            out.error(f"argument --from-file: cannot read {args.from_file}: {exc.strerror}", 2)
+            return None
+    elif sys.stdin.isatty():
+        import getpass
+
+        try:
+            data = getpass.getpass(f"value for {args.name} (not echoed): ").encode()
+        except (EOFError, KeyboardInterrupt):
+            out.error("no value entered", EXIT_USAGE)
+            return None
+    else:
+        data = sys.stdin.buffer.read(1 << 20)
+    if data.endswith(b"\r\n"):
+        data = data[:-2]
+    elif data.endswith(b"\n"):
+        data = data[:-1]
+    if not data:
+        source = f"--from-file {args.from_file}" if args.from_file else "standard input"
+        out.error(f"the value from {source} is empty", EXIT_USAGE)
+        return None
+    return data
+
+
+def _cred_line(cred: dict[str, Any]) -> str:
+    grants = ",".join(g["crew"] + (f"/{g['agent']}" if g["agent"] else "") for g in cred["grants"])
+    state = "revoked" if cred["revoked"] else "active"
+    return (
+        f"{cred['name']:<20} {cred['provider']:<10} {cred['kind']:<11} {cred['level']:<5} "
+        f"{cred['version']:<3} {state:<7} {grants or '-'}"
+    )
+
+
+def _cred_result(out: _Output, human: str, cred: dict[str, Any]) -> int:
+    out.result(human, {"ok": True, "credential": cred})
+    return EXIT_OK
+
+
+def cmd_cred_add(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    value = _read_value(args, out)
+    if value is None:
+        return EXIT_USAGE
+    request = messages.AddCredential(
+        name=args.name, provider=args.provider, value=value, level=args.level, kind=args.kind
+    )
+    del value
+    code, cred = _admin(args, out, "POST", "/v1/credentials", request)
+    if code:
+        return code
+    human = f"credential {cred['name']} added ({cred['provider']}, {cred['kind']}, {cred['level']})"
+    return _cred_result(out, human, cred)
+
+
+def cmd_cred_ls(args: argparse.Namespace, out: _Output) -> int:
+    code, listing = _admin(args, out, "GET", "/v1/credentials")
+    if code:
+        return code
+    header = (
+        f"{'NAME':<20} {'PROVIDER':<10} {'KIND':<11} {'LEVEL':<5} {'VER':<3} {'STATE':<7} GRANTS"
+    )
+    human = "\n".join([header, *(_cred_line(c) for c in listing["credentials"])])
+    out.result(human, {"ok": True, **listing})
+    return EXIT_OK
+
+
+def cmd_cred_grant(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    request = messages.GrantCredential(crew=args.crew, agent=args.agent)
+    code, cred = _admin(args, out, "POST", f"/v1/credentials/{args.name}/grant", request)
+    if code:
+        return code
+    who = f"agent {args.agent} of crew {args.crew}" if args.agent else f"crew {args.crew}"
+    return _cred_result(out, f"credential {args.name} granted to {who}", cred)
+
+
+def cmd_cred_revoke(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    request = messages.RevokeCredential(crew=args.crew, agent=args.agent)
+    code, cred = _admin(args, out, "POST", f"/v1/credentials/{args.name}/revoke", request)
+    if code:
+        return code
+    who = f"crew {args.crew}" if args.crew else "every crew (marked revoked)"
+    return _cred_result(out, f"credential {args.name} revoked from {who}", cred)
+
+
+def cmd_cred_rotate(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon import messages
+
+    value = _read_value(args, out)
+    if value is None:
+        return EXIT_USAGE
+    request = messages.RotateCredential(value=value, level=args.level)
+    del value
+    code, cred = _admin(args, out, "POST", f"/v1/credentials/{args.name}/rotate", request)
+    if code:
+        return code
+    return _cred_result(out, f"credential {args.name} rotated to version {cred['version']}", cred)
+
+
+def _add_cred_parsers(commands: Any, leaf: Any) -> None:
+    cred = commands.add_parser("cred", help="the credential store (values never in arguments)")
+    creds = cred.add_subparsers(dest="cred_command", required=True)
+    from_file = {
+        "metavar": "F",
+        "help": "read the value from this file (default: standard input; a prompt on a TTY)",
+    }
+    add = leaf(creds.add_parser("add", help="add a credential; the value from stdin or a file"))
+    add.add_argument("name")
+    add.add_argument(
+        "--provider", required=True, help="anthropic, openai, google, or a keeper secret's name"
+    )
+    add.add_argument("--level", default="L3", choices=["L1", "L2", "L3"], help="default L3")
+    add.add_argument("--kind", choices=["api_key", "oauth_token", "secret"], default=None)
+    add.add_argument("--from-file", **from_file)
+    add.set_defaults(func=cmd_cred_add)
+    leaf(creds.add_parser("ls", help="list credentials (never their values)")).set_defaults(
+        func=cmd_cred_ls
+    )
+    grant = leaf(creds.add_parser("grant", help="let a crew (or one agent) use a credential"))
+    grant.add_argument("name")
+    grant.add_argument("crew")
+    grant.add_argument("--agent", metavar="ID", help="only this agent id of the crew")
+    grant.set_defaults(func=cmd_cred_grant)
+    revoke = leaf(
+        creds.add_parser("revoke", help="remove a crew's grants, or every grant and mark revoked")
+    )
+    revoke.add_argument("name")
+    revoke.add_argument("crew", nargs="?")
+    revoke.add_argument("--agent", metavar="ID", help="only this agent id's grant")
+    revoke.set_defaults(func=cmd_cred_revoke)
+    rotate = leaf(
+        creds.add_parser("rotate", help="a new value (version + 1), from stdin or a file")
+    )
+    rotate.add_argument("name")
+    rotate.add_argument("--level", choices=["L1", "L2", "L3"], default=None)
+    rotate.add_argument("--from-file", **from_file)
+    rotate.set_defaults(func=cmd_cred_rotate)
+
+
 def _add_admin_parsers(commands: Any) -> None:
     def leaf(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument(
@@ -743,6 +894,8 @@ def _add_admin_parsers(commands: Any) -> None:
     # may come before or after NAME).
     run.add_argument("argv", nargs="*", metavar="-- CMD")
     run.set_defaults(func=cmd_run)
+
+    _add_cred_parsers(commands, leaf)
 
     journal = commands.add_parser("journal", help="the tamper-evident journal")
     journals = journal.add_subparsers(dest="journal_command", required=True)
@@ -841,8 +994,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that only talk to applianced's admin socket: they import the socket client and
+# json, nothing else (no logging, msgspec, trio, docker, netns, proxycore, native).
+_ADMIN_SOCKET_COMMANDS = frozenset({"status", "crew", "run", "net"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
     arguments = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
@@ -854,8 +1011,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = [*args.argv, *command]
     if args.command == "proxy" and args.workers < 0:
         parser.error("argument --workers: must be >= 1")
+    if args.command not in _ADMIN_SOCKET_COMMANDS:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     out = _Output(args.json)
-    result: int = args.func(args, out)
+    try:
+        result: int = args.func(args, out)
+    except BrokenPipeError:
+        # The reader went away (`appliancectl crew ls | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
     return result
 
 

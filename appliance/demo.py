@@ -195,6 +195,7 @@ class DemoAppliance:
         provider_port: int | None,
         ca_file: Path | None,
         extra_daemon: str = "",
+        extra_crews: str = "",
     ) -> None:
         """The demo's config; with no provider port, no provider (bench/bench_crews.py)."""
         self.pool = _unrouted_pool()
@@ -229,7 +230,7 @@ infra = "{infra}"
 [crews]
 name_prefix = "{self.name_prefix}"
 default_memory_bytes = 268435456
-
+{extra_crews}
 [net]
 pool = "{self.pool}"
 table = "{self.table}"

@@ -9,7 +9,10 @@ does hits every series alike, and with the order inside a round alternating:
 
     crew ready       `appliancectl crew create NAME --mode restricted` (it returns when the
                      agent container runs, ready to exec), then the first `appliancectl run
-                     NAME -- true`; the crew is removed at the end of the round (also timed)
+                     NAME -- true`; the crew is removed at the end of the round (also timed).
+                     With --infra-pool N (2, the daemon's default) the pool is full before the
+                     create and refilled right after the first run, before anything else is
+                     measured (time waited: not in any series, reported as pool_refill_wait)
     docker run       `docker run --rm AGENT_IMAGE true` (the engine's defaults: bridge network)
     docker run (hardened)  the same with the agent's flags: --network none, --user 1001,
                      --cap-drop ALL, no-new-privileges, --read-only, --init, /tmp tmpfs, limits
@@ -86,7 +89,6 @@ def hardened_run(image: str) -> list[str]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import docker
 
-    from appliance.daemon import messages
     from appliance.daemon.client import AdminClient
     from appliance.demo import DemoAppliance
     from appliance.runtime.engine import ensure_dockerd
@@ -105,7 +107,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         client.images.get(source).tag(private)
     workdir = Path(tempfile.mkdtemp(prefix="bench-crews-"))
     app = DemoAppliance(workdir)
-    app.write_config(images.agent, images.infra, None, None, extra_daemon=args.daemon_extra)
+    app.write_config(
+        images.agent,
+        images.infra,
+        None,
+        None,
+        extra_daemon=args.daemon_extra,
+        extra_crews=f"infra_pool = {args.infra_pool}",
+    )
     cli = [sys.executable, "-m", "appliance.cli", "--socket", str(app.socket)]
     series: dict[str, list[float]] = {
         k: []
@@ -122,6 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "sdk_exec",
         )
     }
+    pool_waits: list[float] = []
     started = time.monotonic()
     load = common.ForeignLoad(None)
     try:
@@ -139,8 +149,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 name = f"{app.name_prefix}b{index}"
 
                 def crew_round(name: str = name) -> None:
+                    pool_waits.append(_wait_pool_full(admin))
                     create = timed([*cli, "crew", "create", name, "--mode", "restricted"])
                     first = timed([*cli, "run", name, "--", "true"])
+                    # The refill runs now, not during the next measurement.
+                    pool_waits.append(_wait_pool_full(admin))
                     series["crew_create"].append(create)
                     series["first_run"].append(first)
                     series["crew_ready_and_first_run"].append(create + first)
@@ -159,7 +172,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.runs):
                     series["appliancectl_run"].append(timed([*cli, "run", name, "--", "true"]))
                     series["docker_exec_cli"].append(timed(["docker", "exec", agent_id, "true"]))
-                    series["api_run"].append(_api_run(admin, name, messages))
+                    series["api_run"].append(_api_run(admin, name))
                     series["sdk_exec"].append(_sdk_exec(client, agent_id))
                 series["crew_rm"].append(timed([*cli, "crew", "rm", name]))
                 if (index + 1) % 10 == 0:
@@ -192,6 +205,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "crews": args.crews,
         "runs_per_crew": args.runs,
         "daemon_extra": args.daemon_extra,
+        "infra_pool": args.infra_pool,
+        "pool_refill_wait": summary(pool_waits) if pool_waits else None,
         "images": {"agent": images.agent, "infra": images.infra},
         "results": results,
         "ratios": {
@@ -213,11 +228,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _api_run(admin: Any, name: str, messages: Any) -> float:
+def _wait_pool_full(admin: Any, timeout: float = 60.0) -> float:
+    """Until every pool slot is ready (a crew create takes one, the daemon refills it in the
+    background); returns the seconds waited. Not part of any measured series."""
+    started = time.perf_counter()
+    while True:
+        status = admin.call("GET", "/v1/status")
+        if status.get("pool_ready", 0) >= status.get("pool_size", 0):
+            return time.perf_counter() - started
+        if time.perf_counter() - started > timeout:
+            raise RuntimeError(f"the infra pool did not refill within {timeout:g} s: {status}")
+        time.sleep(0.02)
+
+
+def _api_run(admin: Any, name: str) -> float:
+    from appliance.daemon.client import RunExit
+
     started = time.perf_counter()
     code = None
     for event in admin.run(name, ["true"], None):
-        if isinstance(event, messages.RunExit):
+        if isinstance(event, RunExit):
             code = event.exit_code
     elapsed = time.perf_counter() - started
     if code != 0:
@@ -295,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--crews", type=int, default=50, help="crews created and removed (50)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each kind per crew (3)")
+    parser.add_argument(
+        "--infra-pool",
+        type=int,
+        default=2,
+        help="[crews] infra_pool of the daemon (2, the default; 0: no pool)",
+    )
     parser.add_argument("--source", type=Path, default=common.REPO, help="tree under test")
     parser.add_argument(
         "--daemon-extra", default="", help="extra [daemon] TOML lines for applianced"

@@ -28,6 +28,21 @@ class ReloadCredentials(
     """Read the provider credentials again (rotated or added) and recompile the scrubber."""
 
 
+class CredentialsSet(
+    msgspec.Struct, frozen=True, tag="credentials_set", forbid_unknown_fields=True
+):
+    """Every crew's provider credentials from the credential store: crew -> provider -> value.
+
+    The whole map each time (a crew or a provider missing from it has none from the store), so
+    applying it is one swap and a lost message is repaired by the next. It travels only over the
+    parent's socketpair (never a file, argv or the environment). The reply never echoes a value.
+    A crew's credential from here takes precedence over the provider's configured one
+    (`credential_env`/`credential_file`) for that crew's requests.
+    """
+
+    crews: dict[str, dict[str, str]]
+
+
 class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields=True):
     """Serve a new crew from now on (applianced, when a crew is created or restored).
 
@@ -60,7 +75,9 @@ class AuditPaused(msgspec.Struct, frozen=True, tag="audit_paused", forbid_unknow
     paused: bool
 
 
-ControlMessage = AllowHost | Ping | ReloadCredentials | CrewAdd | CrewRemove | AuditPaused
+ControlMessage = (
+    AllowHost | Ping | ReloadCredentials | CredentialsSet | CrewAdd | CrewRemove | AuditPaused
+)
 
 
 class ControlReply(msgspec.Struct, frozen=True, omit_defaults=True):

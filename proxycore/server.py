@@ -22,6 +22,7 @@ yet; after that the connection can only be closed. Every read runs under a deadl
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import logging
@@ -35,10 +36,19 @@ from dataclasses import dataclass, field
 import msgspec
 import trio
 
+from native.scrub_patterns import PatternError
+
 from . import control, http1, tunnel
 from .config import DEFAULT_BASE_URLS, CrewConfig, ProxyConfig, crew_policy, validate
 from .control_server import serve_control_channel, serve_control_socket
-from .credentials import Provider, ProviderRoute, load_credential, rewrite_for_provider, route_for
+from .credentials import (
+    Credential,
+    Provider,
+    ProviderRoute,
+    load_credential,
+    rewrite_for_provider,
+    route_for,
+)
 from .errors import HttpProtocolError, PolicyDenied, ProxyError, UpstreamError
 from .events import (
     AllowlistChanged,
@@ -89,6 +99,8 @@ AUDIT_UNAVAILABLE = "audit_unavailable"  # the rule named when the journal is be
 # Response bodies up to this size are read whole before relaying, so they keep a Content-Length
 # after scrubbing; larger ones (and chunked, and SSE) stream through the scrubber.
 WHOLE_BODY = 64 * 1024
+# Store credentials rotated or revoked away that the scrubber keeps redacting (oldest dropped).
+RETIRED_SECRETS = 64
 
 
 @dataclass(slots=True, eq=False)
@@ -133,6 +145,10 @@ class ProxyRuntime:
             max_header_bytes=limits.max_header_bytes,
         )
         self.routes_by_name, self.routes_by_host = load_routes(config)
+        # crew name -> provider -> credential, from applianced's credential store
+        # (`credentials_set`); for that crew it takes precedence over the route's own.
+        self.crew_credentials: dict[str, dict[Provider, Credential]] = {}
+        self.retired_secrets: dict[tuple[str, bytes], None] = {}  # ordered: oldest first
         # Everything relayed back to a crew passes through this (see proxycore/scrubbing.py).
         self.scrubbers = ScrubberHolder(
             route_secrets(self.routes_by_name.values()), configured_shapes(config.scrub.shapes)
@@ -248,9 +264,66 @@ class ProxyRuntime:
         routes_by_name, routes_by_host = load_routes(self.config)
         secrets = route_secrets(routes_by_name.values())
         changed = secrets != route_secrets(self.routes_by_name.values())
-        self.scrubbers.replace(secrets)
+        self.scrubbers.replace(
+            secrets + crew_secrets(self.crew_credentials) + list(self.retired_secrets)
+        )
         self.routes_by_name, self.routes_by_host = routes_by_name, routes_by_host
         return changed
+
+    def set_crew_credentials(self, message: control.CredentialsSet) -> control.ControlReply:
+        """Replace every crew's store credentials and recompile the scrubber with every value
+        the proxy now holds, all or nothing: the new scrubber is compiled before anything is
+        swapped, and the swap is two assignments with no await between them, so no request
+        sees a key the scrubber does not know. Errors name the crew and provider, never a
+        value. A value dropped from the map is no longer injected nor scrubbed: a response
+        already streaming finishes on the scrubber it started with."""
+        crews: dict[str, dict[Provider, Credential]] = {}
+        for crew, by_provider in message.crews.items():
+            for name, value in by_provider.items():
+                try:
+                    provider = Provider(name)
+                except ValueError:
+                    return control.ControlReply(
+                        ok=False, error=f"credentials_set: crew {crew!r}: no provider {name!r}"
+                    )
+                try:
+                    crews.setdefault(crew, {})[provider] = Credential(value)
+                except ValueError as exc:
+                    return control.ControlReply(
+                        ok=False, error=f"credentials_set: crew {crew!r}, {name}: {exc}"
+                    )
+        new_secrets = crew_secrets(crews)
+        old_secrets = crew_secrets(self.crew_credentials)
+        changed = new_secrets != old_secrets
+        # Values rotated or revoked away stay in the scrubber (not in the routes) for as long
+        # as this proxy runs, up to RETIRED_SECRETS: an agent that once saw one reflected in a
+        # response it was not scrubbed from is unlikely, but a rotated key may still be live.
+        retired = dict(self.retired_secrets)
+        for pair in old_secrets:
+            if pair not in new_secrets:
+                retired.pop(pair, None)
+                retired[pair] = None
+        while len(retired) > RETIRED_SECRETS:
+            del retired[next(iter(retired))]
+        try:
+            self.scrubbers.replace(
+                route_secrets(self.routes_by_name.values()) + new_secrets + list(retired)
+            )
+        except (ValueError, PatternError):
+            # Not the exception's text: a pattern error may quote the secret it was built from.
+            return control.ControlReply(
+                ok=False, error="credentials_set: the scrubber cannot compile the new values"
+            )
+        self.crew_credentials = crews
+        self.retired_secrets = retired
+        return control.ControlReply(ok=True, changed=changed)
+
+    def route_for_crew(self, route: ProviderRoute, crew: str) -> ProviderRoute:
+        """The route with the crew's own credential, if the store granted it one."""
+        credential = self.crew_credentials.get(crew, {}).get(route.provider)
+        if credential is None:
+            return route
+        return dataclasses.replace(route, credential=credential)
 
     def handle_control(self, message: control.ControlMessage) -> control.ControlReply:
         if isinstance(message, control.Ping):
@@ -261,6 +334,8 @@ class ProxyRuntime:
             except (ProxyError, ValueError) as exc:  # ConfigError names the key, never a value
                 return control.ControlReply(ok=False, error=str(exc))
             return control.ControlReply(ok=True, changed=changed)
+        if isinstance(message, control.CredentialsSet):
+            return self.set_crew_credentials(message)
         if isinstance(message, control.CrewAdd):
             return self.add_crew(message)
         if isinstance(message, control.CrewRemove):
@@ -306,6 +381,17 @@ def route_secrets(routes: Iterable[ProviderRoute]) -> list[tuple[str, bytes]]:
         for route in routes
         if route.credential is not None
     ]
+
+
+def crew_secrets(crews: dict[str, dict[Provider, Credential]]) -> list[tuple[str, bytes]]:
+    """The store's credentials the proxy holds, named after their provider (for the scrubber)."""
+    return sorted(
+        {
+            (provider.value, credential.reveal().encode())
+            for by_provider in crews.values()
+            for provider, credential in by_provider.items()
+        }
+    )
 
 
 class _Refused(Exception):
@@ -770,6 +856,7 @@ class ClientConnection:
                 if name not in _REQUEST_FRAMING
             ]
             if provider is not None:
+                provider = self.runtime.route_for_crew(provider, self.crew.name)
                 target, headers, injected = rewrite_for_provider(provider, target, headers)
             headers.insert(0, (b"host", authority))
             headers.append((b"accept-encoding", IDENTITY))

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -64,6 +65,7 @@ class Appliance:
     ca_file: str
     pool: str = ""
     port: int = 0
+    infra_pool: int = 2  # [crews] infra_pool (the daemon's default)
     process: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
 
@@ -103,6 +105,7 @@ infra = "{infra}"
 [crews]
 name_prefix = "{self.name_prefix}"
 default_memory_bytes = 268435456
+infra_pool = {self.infra_pool}
 
 [net]
 pool = "{self.pool}"
@@ -183,7 +186,51 @@ resolve = {{ {resolve} }}
 
     # -- what exists in the world -------------------------------------------------------------
 
-    def containers(self) -> list[str]:
+    def _query(self, sql: str) -> list[Any]:
+        path = self.state_dir / "applianced.db"
+        if not path.exists():
+            return []
+        db = sqlite3.connect(path)
+        try:
+            return db.execute(sql).fetchall()
+        except sqlite3.OperationalError:
+            return []
+        finally:
+            db.close()
+
+    def pool_slots(self, *, ready_only: bool = False) -> list[str]:
+        """The free pool slots in the daemon's state (a slot a crew took is the crew's)."""
+        rows = self._query("SELECT slot, phase FROM pool")
+        return [slot for slot, phase in rows if phase == "ready" or not ready_only]
+
+    def taken_slots(self) -> dict[str, str]:
+        """slot -> crew, for the crews that took a pool slot (their infra carries its label)."""
+        return dict(self._query("SELECT slot, name FROM crews WHERE slot IS NOT NULL"))
+
+    def crew_labels(self, crew: str) -> list[str]:
+        """The container labels of a crew: its name, and the pool slot it took, if any."""
+        return [crew, *(slot for slot, name in self.taken_slots().items() if name == crew)]
+
+    def wait_pool(self, timeout: float = 60) -> list[str]:
+        """Until [crews] infra_pool slots are ready (the daemon refills in the background)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = self.pool_slots(ready_only=True)
+            if len(ready) == self.infra_pool and len(self.pool_slots()) == self.infra_pool:
+                return ready
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pool not refilled: {ready}\n{self.log_text()[-3000:]}")
+            time.sleep(0.1)
+
+    def _pool_ifnames(self, free: list[str]) -> set[str]:
+        from netns.addressing import interface_name
+
+        return {interface_name(self.prefix, slot) for slot in free}
+
+    def containers(self, *, include_pool: bool = False) -> list[str]:
+        """`CREW STATE` of our containers (a taken slot's infra under its crew's name); free
+        pool slots' left out unless include_pool. (The free slots are read after the listing:
+        a slot's row exists before its container and outlives it, so nothing listed escapes.)"""
         out = subprocess.run(
             [
                 "docker",
@@ -198,35 +245,54 @@ resolve = {{ {resolve} }}
             text=True,
             check=True,
         ).stdout
-        return [line for line in out.splitlines() if line.startswith(self.name_prefix)]
+        lines = [line for line in out.splitlines() if line.startswith(self.name_prefix)]
+        taken = self.taken_slots()
+        lines = [
+            " ".join([taken.get(line.split()[0], line.split()[0]), *line.split()[1:]])
+            for line in lines
+        ]
+        if include_pool:
+            return lines
+        free = set(self.pool_slots())
+        return [line for line in lines if line.split()[0] not in free]
 
-    def links(self) -> list[str]:
+    def links(self, *, include_pool: bool = False) -> list[str]:
         out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-        return [
+        links = [
             line.split(":")[1].strip().split("@")[0]
             for line in out.splitlines()
             if line.split(":")[1].strip().startswith(self.prefix)
         ]
+        if include_pool:
+            return links
+        free = self._pool_ifnames(self.pool_slots())
+        return [link for link in links if link not in free]
 
-    def chains(self) -> list[str]:
+    def chains(self, *, include_pool: bool = False) -> list[str]:
         done = subprocess.run(
             ["nft", "list", "table", "inet", self.table], capture_output=True, text=True
         )
-        return [
+        chains = [
             line.split()[1]
             for line in done.stdout.splitlines()
             if line.strip().startswith("chain crew_")
         ]
+        if include_pool:
+            return chains
+        from netns.addressing import chain_name
+
+        free = {chain_name(ifname) for ifname in self._pool_ifnames(self.pool_slots())}
+        return [chain for chain in chains if chain not in free]
 
     def cleanup(self) -> None:
         self.stop()
-        for line in self.containers():
+        for line in self.containers(include_pool=True):
             crew = line.split()[0]
             subprocess.run(
                 ["docker", "rm", "-f", f"appliance-{crew}-agent", f"appliance-{crew}-infra"],
                 capture_output=True,
             )
-        for link in self.links():
+        for link in self.links(include_pool=True):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
         remove_volumes(self.name_prefix)

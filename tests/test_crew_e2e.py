@@ -296,22 +296,27 @@ class HostListener:
         self.sock.close()
 
 
-def _containers_of(crew: str) -> list[str]:
-    out = subprocess.run(
-        [
-            "docker",
-            "ps",
-            "-a",
-            "--no-trunc",
-            "-q",
-            "--filter",
-            f"label=io.agent-appliance.crew={crew}",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return out.split()
+def _containers_of(*labels: str) -> list[str]:
+    """Ids of the containers with one of these crew labels (a crew's name, the pool slot its
+    infra came from: Appliance.crew_labels)."""
+    found: list[str] = []
+    for label in labels:
+        out = subprocess.run(
+            [
+                "docker",
+                "ps",
+                "-a",
+                "--no-trunc",
+                "-q",
+                "--filter",
+                f"label=io.agent-appliance.crew={label}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        found += out.split()
+    return found
 
 
 def _runtime_processes_of(container_ids: list[str]) -> list[str]:
@@ -509,7 +514,8 @@ def test_restart_adopts_crews_rolls_back_interrupted_ones_and_leaves_nothing(wor
     done = app.ctl("crew", "create", half, "--runtime", interrupted_runtime, "--memory", "256m")
     assert done.returncode in (1, 5), done
     assert app.wait_exit() == -signal.SIGKILL
-    half_ids = _containers_of(half)
+    half_labels = app.crew_labels(half)
+    half_ids = _containers_of(*half_labels)
     assert len(half_ids) == 2
     if interrupted_runtime == "runsc":
         assert _runtime_processes_of(half_ids), "expected a running sandbox to clean up"
@@ -517,7 +523,7 @@ def test_restart_adopts_crews_rolls_back_interrupted_ones_and_leaves_nothing(wor
     app.start()
     _, status = app.ctl_json("status")
     assert any("rolled back an interrupted create" in c for c in status["reconcile"]), status
-    assert _containers_of(half) == []
+    assert _containers_of(*half_labels) == []
     assert _runtime_processes_of(half_ids) == []
     assert sorted(c.split()[0] for c in app.containers()) == sorted(
         world.crews[r] for r in runtimes for _ in range(2)
@@ -534,7 +540,13 @@ def test_restart_adopts_crews_rolls_back_interrupted_ones_and_leaves_nothing(wor
     ingress = subprocess.run(
         ["nft", "list", "map", "inet", app.table, "crew_ingress"], capture_output=True, text=True
     )
-    assert ingress.returncode == 0 and "elements" not in ingress.stdout, ingress.stdout
+    # Only the free pool slots' interfaces remain in the map (each jumps to its own chain).
+    from netns.addressing import interface_name
+
+    free = {interface_name(app.prefix, slot) for slot in app.pool_slots()}
+    elements = set(re.findall(r'"([^"]+)" : jump', ingress.stdout))
+    assert ingress.returncode == 0 and elements == free, (ingress.stdout, free)
+    assert len(free) == app.infra_pool
     assert _runtime_processes_of(all_ids) == []
     volumes = subprocess.run(
         ["docker", "volume", "ls", "-q", "--filter", f"name=appliance-{app.name_prefix}"],

@@ -202,9 +202,11 @@ def test_reconcile_after_sigkill_mid_create_and_with_a_ready_crew(
     appliance: Appliance, provider: FakeServer
 ) -> None:
     app = appliance
-    # 1. Killed right after the network was attached: containers, link and rules exist, the
-    #    crew is not in the proxy and its row says "creating".
-    app.start(env={"APPLIANCED_TEST_KILL_AFTER_STEP": "attach network"})
+    # 1. Killed right after it took a pool slot (infra and network of the slot: containers,
+    #    link and rules exist), the crew is not in the proxy and its row says "creating".
+    #    (Without the pool, the same point is after "attach network": test_daemon_pool.py.)
+    app.start(env={"APPLIANCED_TEST_KILL_AFTER_STEP": "record intent"})
+    app.wait_pool()
     half = app.crew("half")
     done = app.ctl("crew", "create", half)
     assert done.returncode in (1, 5)

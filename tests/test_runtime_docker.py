@@ -673,6 +673,8 @@ def test_a_sandbox_whose_container_is_gone_is_killed_and_a_live_one_is_not(  # t
     try:
         deadline = time.monotonic() + 5
         while not any(p.pid == stray.pid for p in provider.stray_runsc_processes()):
+            # (another appliance's reconcile on this engine may kill it first: say so)
+            assert stray.poll() is None, f"the stand-in died first ({stray.returncode})"
             assert time.monotonic() < deadline, "the stand-in was not seen as a stray"
             time.sleep(0.05)
         killed = provider.kill_stray_runsc_processes()

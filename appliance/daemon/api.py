@@ -14,7 +14,9 @@ One request per connection (`Connection: close`): appliancectl opens a connectio
     DELETE /v1/crews/{name}            Removed
     POST   /v1/crews/{name}/allow      AllowHost -> AllowResult
     POST   /v1/crews/{name}/run        RunCommand -> 200, chunked JSON lines: RunOutput..., RunExit
-    GET    /v1/net                     netns.NetworkReport
+    GET    /v1/net                     netns.NetworkReport (crews by name, then free pool slots)
+    GET    /v1/credentials             CredentialList; POST adds; .../{name}/grant|revoke|rotate
+                                       (appliance/daemon/credentials.py; values only in bodies)
     GET    /v1/journal?n=&crew=&type=&after=   {"entries": [journal Row...]}, oldest first
     GET    /v1/journal/search?q=&n=    {"entries": [...]} (FTS5 MATCH over summary and payload)
     GET    /v1/journal/export          200, chunked JSON lines: every Row in seq order
@@ -202,9 +204,14 @@ class AdminServer:
         if parts[0] == "journal":
             only("GET")
             return await self._journal(parts[1:], target, stream, conn)
+        if parts[0] == "credentials":
+            status, reply = await self.daemon.credentials_api.handle(method, parts, body)
+            if method == "POST" and isinstance(reply, messages.CredentialInfo):
+                await self.daemon.recorder.credential_changed(reply.name, parts, reply.provider)
+            return _Reply(status, reply)
         if parts == ["net"]:
             only("GET")
-            return _Reply(200, await trio.to_thread.run_sync(self.daemon.networks.show))
+            return _Reply(200, await self.daemon.crews.net_report())
         if parts == ["crews"]:
             only("GET", "POST")
             if method == "GET":

@@ -8,6 +8,7 @@ Unknown keys and bad values are errors naming the key (`ConfigInvalid`), as in
     [crews]    bounds on what a crew may ask for (memory, cpus) and the default runtime
     [net]      netns.NetConfig (pool, table, interface prefix...); proxy_ports is set from
                [daemon] proxy_port, so the rules and the proxy can never disagree
+    [credentials]  the credential store's file and key source (docs/credentials.md)
     [proxy]    what the proxy core takes from its own config file except crews, listeners and
                control (applianced supplies those): limits, providers, upstream, events, scrub
 
@@ -77,6 +78,19 @@ class CrewsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_cpus: float = 0.1
     # 0: the number of CPUs of the host.
     max_cpus: float = 0.0
+    # Pre-plumbed infra namespaces kept ready (infra container running, network attached and
+    # its rules in place, no agent ever): `crew create` takes one instead of creating both.
+    # 0 disables the pool. docs/daemon.md, "The infra pool".
+    infra_pool: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
+
+
+class CredentialsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # None: <state_dir>/credentials.db and <state_dir>/credentials.key (created at first start).
+    db: str | None = None
+    key_file: str | None = None
+    # The environment variable that holds the key (32 bytes, hex or base64); when it is set it
+    # is used instead of the key file (and removed from the environment once read). "": never.
+    key_env: str = "ENCRYPTION_KEY"
 
 
 class ProxySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -93,6 +107,7 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     crews: CrewsSection = CrewsSection()
     net: NetConfig = NetConfig()
     proxy: ProxySection = ProxySection()
+    credentials: CredentialsSection = CredentialsSection()
 
     @property
     def max_cpus(self) -> float:
@@ -121,6 +136,8 @@ def parse_config(text: str | bytes, *, source: str = "<config>") -> ApplianceCon
         raise ConfigInvalid(f"{source}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ConfigInvalid(f"{source}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec decodes bytes itself (fuzz/fuzz_daemon_inputs)
+        raise ConfigInvalid(f"{source}: not UTF-8 (byte {exc.start}): TOML is UTF-8") from None
     return check_config(config, source=source)
 
 
@@ -142,6 +159,10 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
     for key in ("state_dir", "admin_socket"):
         if not os.path.isabs(getattr(daemon, key)):
             raise fail(f"daemon.{key}", "must be an absolute path")
+    for key in ("db", "key_file"):
+        value = getattr(config.credentials, key)
+        if value is not None and not os.path.isabs(value):
+            raise fail(f"credentials.{key}", "must be an absolute path")
     if not daemon.provider:
         raise fail("daemon.provider", "must be 'docker' or 'module:factory'")
     crews = config.crews

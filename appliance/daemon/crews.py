@@ -28,6 +28,20 @@ row removed; a "ready" crew whose containers all run is served again (proxy crew
 crew with a container gone, or a "stopped" one, is re-created from its row (same name, same
 subnet, so the same gateway); if that fails it is torn down and marked "failed".
 
+The infra pool (`[crews] infra_pool`, default 2): `keep_pool` keeps that many *slots*, each an
+infra container created and its network attached (rules, then veth) under a slot id
+`<prefix>pool_<hex>` (an underscore: never a crew name; the container's immutable labels and the
+netns state carry the slot id), with no agent and no proxy listener. `create` takes the oldest
+ready slot if there is one: the crew's row (with `slot` set) is inserted and the pool row deleted
+in one transaction, then the crew is added to the proxy and its agent started in the slot's
+namespace; the steps "create infra" and "attach network" are skipped. A crew's `key` (its slot
+id, else its name) is what its infra container and network are known by, for the rest of its
+life (re-created under it at reconcile, so it keeps its gateway). A slot handed to a crew is
+never handed to another: rollback and `crew rm` destroy it with the crew. Free slots are
+reconciled at start (kept only if exactly their infra runs and their network is ready, else
+destroyed) and destroyed by `stop_all`. A fill interrupted by a crash stays "filling" in the
+state and is destroyed at the next start; cancelled, it is undone at once (shielded).
+
 All provider and netns calls block (milliseconds to a second) and run in threads; one lock
 serializes the operations that change crews, so two `create`s of one name cannot race.
 """
@@ -38,12 +52,14 @@ import functools
 import logging
 import os
 import re
+import secrets
 import signal
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 import trio
 
 from appliance.journal.entries import CrewFailed, CrewRemoved
@@ -61,6 +77,7 @@ from appliance.runtime.base import (
 )
 from netns import CrewNetworks, NetnsError, netns_of_pid
 from netns.addressing import check_crew_id
+from netns.manager import NetworkReport
 from proxycore.errors import PolicyDenied
 from proxycore.policy import Allowlist, NetworkMode, normalize_host
 
@@ -68,7 +85,7 @@ from . import messages
 from .config import ApplianceConfig
 from .errors import CrewBusy, CrewExists, CrewNotFound, DaemonError, InvalidRequest, StepFailed
 from .proxy import CrewEntry, ProxyChild
-from .state import CrewPhase, CrewRow, StateStore
+from .state import CrewPhase, CrewRow, PoolSlot, SlotPhase, StateStore
 
 log = logging.getLogger("applianced.crews")
 
@@ -181,6 +198,10 @@ class CrewManager:
         self.lock = trio.Lock()
         self.journal = JournalRecorder()  # applianced sets the real one (appliance/journal)
         self._runtimes: tuple[str, ...] | None = None
+        # The pool: one fill at a time (held across a fill and by whoever destroys free
+        # slots), and an event set when a slot is taken (keep_pool refills).
+        self._pool_lock = trio.Lock()
+        self._pool_wanted = trio.Event()
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -278,47 +299,81 @@ class CrewManager:
         async with self.lock:
             row = await self.validate(request)
             steps = _Steps(row.name, self.on_step)
+            slot = self._free_slot()
+            if slot is not None:
+                # Its infra and network exist already; the row says so from the start, so a
+                # rollback (or the next start, if this one crashes) destroys the slot with it.
+                row = msgspec.structs.replace(
+                    row, slot=slot.slot, infra_id=slot.infra_id, gateway=slot.gateway
+                )
+
+            taken = False
 
             async def record() -> None:
+                nonlocal taken
                 try:
-                    self.store.insert(row)
+                    if slot is None:
+                        self.store.insert(row)
+                    else:
+                        self.store.take_slot(row, slot)
+                        taken = True
                 except sqlite3.IntegrityError:
                     raise CrewExists(row.name) from None
+                if slot is not None:
+                    self._pool_wanted.set()
 
             async def forget() -> None:
+                if taken:
+                    assert slot is not None
+                    # Never returned to the pool: the crew's proxy and perhaps its agent were
+                    # there; a slot handed out is destroyed with the crew.
+                    await self._destroy_slot(slot.slot)
                 self.store.delete(row.name)
 
             await steps.run("record intent", record, forget)
             async with self.journal.crew_change(row.name, crew_created(row)):
-                await self._bring_up(row, steps)
+                await self._bring_up(row, steps, slot)
             return self._row(row.name)
 
-    async def _bring_up(self, row: CrewRow, steps: _Steps) -> None:
-        """Containers, network, proxy, agent, then phase ready; each step undone on failure."""
-        name = row.name
-        spec = self._spec(row)
+    async def _bring_up(self, row: CrewRow, steps: _Steps, slot: PoolSlot | None = None) -> None:
+        """Containers, network, proxy, agent, then phase ready; each step undone on failure.
+
+        With a pool slot, its infra and network are the crew's already (the first two steps are
+        skipped). A crew that once took a slot is re-created (reconcile) under the slot's id,
+        so it keeps its subnet and gateway like any other."""
+        name, key = row.name, row.key
+        spec = msgspec.structs.replace(self._spec(row), name=key)
 
         async def remove_containers() -> None:
             await trio.to_thread.run_sync(self.provider.remove_crew, name)
+            if key != name:
+                await trio.to_thread.run_sync(self.provider.remove_crew, key)
 
-        async def create_infra() -> Pod:
-            pod = await trio.to_thread.run_sync(self.provider.create_infra, spec)
-            self.store.update(name, infra_id=pod.infra_id)
-            return pod
+        if slot is not None:
+            assert slot.infra_id is not None and slot.infra_pid is not None and slot.gateway
+            pod = Pod(crew=key, infra_id=slot.infra_id, infra_pid=slot.infra_pid, runtime="")
+            gateway = slot.gateway
+            steps.undo.append(("start agent", remove_containers))
+        else:
 
-        pod: Pod = await steps.run("create infra", create_infra, remove_containers)
+            async def create_infra() -> Pod:
+                made = await trio.to_thread.run_sync(self.provider.create_infra, spec)
+                self.store.update(name, infra_id=made.infra_id)
+                return made
 
-        async def attach() -> str:
-            network = await trio.to_thread.run_sync(
-                self.networks.attach, name, netns_of_pid(pod.infra_pid)
-            )
-            self.store.update(name, gateway=network.gateway)
-            return network.gateway
+            pod = await steps.run("create infra", create_infra, remove_containers)
 
-        async def release() -> None:
-            await trio.to_thread.run_sync(self.networks.release, name)
+            async def attach() -> str:
+                network = await trio.to_thread.run_sync(
+                    self.networks.attach, key, netns_of_pid(pod.infra_pid)
+                )
+                self.store.update(name, gateway=network.gateway)
+                return network.gateway
 
-        gateway: str = await steps.run("attach network", attach, release)
+            async def release() -> None:
+                await trio.to_thread.run_sync(self.networks.release, key)
+
+            gateway = await steps.run("attach network", attach, release)
         entry = CrewEntry(name=name, gateway=gateway, mode=row.mode, allow=row.allow)
 
         async def add_to_proxy() -> None:
@@ -329,9 +384,13 @@ class CrewManager:
 
         await steps.run("add to proxy", add_to_proxy, remove_from_proxy)
         agent_spec = self._spec(row, agent_environment(self.config, gateway))
+        # The infra's label names the slot (labels are immutable); the pod is the crew's.
+        agent_pod = msgspec.structs.replace(pod, crew=name, runtime=row.runtime)
 
         async def start_agent() -> None:
-            agent_id = await trio.to_thread.run_sync(self.provider.start_agent, agent_spec, pod)
+            agent_id = await trio.to_thread.run_sync(
+                self.provider.start_agent, agent_spec, agent_pod
+            )
             self.store.update(name, agent_id=agent_id)
 
         await steps.run("start agent", start_agent)
@@ -341,8 +400,9 @@ class CrewManager:
 
         await steps.run("commit", commit)
 
-    async def _tear_down(self, name: str, *, keep_subnet: bool) -> None:
+    async def _tear_down(self, row: CrewRow, *, keep_subnet: bool) -> None:
         """Proxy, containers, network; each attempted even if an earlier one failed."""
+        name, key = row.name, row.key
         errors: list[str] = []
 
         async def from_proxy() -> None:
@@ -353,10 +413,12 @@ class CrewManager:
             await trio.to_thread.run_sync(
                 functools.partial(self.provider.remove_crew, name, volumes=not keep_subnet)
             )
+            if key != name:  # the infra of a pool slot carries the slot's label
+                await trio.to_thread.run_sync(self.provider.remove_crew, key)
 
         async def network() -> None:
             forget = self.networks.detach if keep_subnet else self.networks.release
-            await trio.to_thread.run_sync(forget, name)
+            await trio.to_thread.run_sync(forget, key)
 
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("remove from proxy", from_proxy),
@@ -376,12 +438,12 @@ class CrewManager:
 
     async def remove(self, name: str) -> None:
         async with self.lock:
-            self._row(name)
+            row = self._row(name)
             self.store.update(name, phase=CrewPhase.REMOVING)
             if self.on_step is not None:
                 self.on_step(name, "record removal")
             with trio.CancelScope(shield=True):
-                await self._tear_down(name, keep_subnet=False)
+                await self._tear_down(row, keep_subnet=False)
                 self.store.delete(name)
                 await self.journal.record(CrewRemoved(crew=name))
 
@@ -425,7 +487,7 @@ class CrewManager:
     ) -> messages.CrewInfo:
         if owned is None:
             owned = await trio.to_thread.run_sync(self.provider.owned)
-        plan = self.networks.plan(row.name)
+        plan = self.networks.plan(row.key)
         return messages.CrewInfo(
             name=row.name,
             phase=row.phase.value,
@@ -443,9 +505,21 @@ class CrewManager:
             containers=tuple(
                 messages.ContainerInfo(c.role.value, c.container_id, c.running)
                 for c in owned
-                if c.crew == row.name
+                if c.crew in (row.name, row.key)
             ),
         )
+
+    async def net_report(self) -> NetworkReport:
+        """netns's report with each crew under its own name (a crew that took a pool slot has
+        its network keyed by the slot's id), the crews first, then the free pool slots."""
+        report = await trio.to_thread.run_sync(self.networks.show)
+        names = {row.key: row.name for row in self.store.crews()}
+        entries = [
+            msgspec.structs.replace(entry, crew=names.get(entry.crew, entry.crew))
+            for entry in report.crews
+        ]
+        entries.sort(key=lambda entry: entry.crew not in names.values())
+        return msgspec.structs.replace(report, crews=tuple(entries))
 
     async def list_crews(self) -> list[messages.CrewInfo]:
         owned = await trio.to_thread.run_sync(self.provider.owned)
@@ -472,21 +546,35 @@ class CrewManager:
                 if c.crew.startswith(prefix)
             ]
             rows = {row.name: row for row in self.store.crews()}
+            slots = {slot.slot: slot for slot in self.store.pool()}
+            # Container labels and network records name a crew, or the pool slot a crew took
+            # (its key), or a free pool slot.
+            known = set(rows) | {row.key for row in rows.values()} | set(slots)
             by_crew: dict[str, list[OwnedContainer]] = {}
             for container in owned:
                 by_crew.setdefault(container.crew, []).append(container)
 
-            for crew in sorted(set(by_crew) - set(rows)):
+            for crew in sorted(set(by_crew) - known):
                 await trio.to_thread.run_sync(self.provider.remove_crew, crew)
                 changes.append(f"{crew}: removed containers with no crew row")
             for record in self.networks.records():
-                if record.crew not in rows:
+                if record.crew not in known:
                     await trio.to_thread.run_sync(self.networks.release, record.crew)
                     changes.append(f"{record.crew}: released network with no crew row")
 
-            for name, row in rows.items():
+            for slot in slots.values():
                 try:
-                    changes += await self._reconcile_row(row, by_crew.get(name, []))
+                    changes += await self._reconcile_slot(slot, by_crew.get(slot.slot, []))
+                except Exception as exc:
+                    log.exception("reconcile pool slot %s", slot.slot)
+                    changes.append(f"pool slot {slot.slot}: reconcile failed: {exc}")
+
+            for name, row in rows.items():
+                containers = by_crew.get(name, [])
+                if row.key != name:
+                    containers = containers + by_crew.get(row.key, [])
+                try:
+                    changes += await self._reconcile_row(row, containers)
                 except Exception as exc:
                     log.exception("reconcile %s", name)
                     changes.append(f"{name}: reconcile failed: {exc}")
@@ -510,7 +598,7 @@ class CrewManager:
     async def _reconcile_row(self, row: CrewRow, containers: list[OwnedContainer]) -> list[str]:
         name = row.name
         if row.phase in (CrewPhase.CREATING, CrewPhase.REMOVING):
-            await self._tear_down(name, keep_subnet=False)
+            await self._tear_down(row, keep_subnet=False)
             self.store.delete(name)
             what = (
                 "rolled back an interrupted create"
@@ -520,11 +608,11 @@ class CrewManager:
             return [f"{name}: {what}"]
         if row.phase is CrewPhase.FAILED:
             if containers:
-                await self._tear_down(name, keep_subnet=True)
+                await self._tear_down(row, keep_subnet=True)
                 return [f"{name}: failed crew: removed its leftover containers"]
             return []
         roles = {c.role for c in containers if c.running}
-        record = {r.crew: r for r in self.networks.records()}.get(name)
+        record = {r.crew: r for r in self.networks.records()}.get(row.key)
         healthy = (
             row.phase is CrewPhase.READY
             and roles >= {ContainerRole.INFRA, ContainerRole.AGENT}
@@ -532,14 +620,14 @@ class CrewManager:
             and record.phase.value == "ready"
         )
         if healthy:
-            plan = self.networks.plan(name)
+            plan = self.networks.plan(row.key)
             assert plan is not None
             await self.proxy.add_crew(
                 CrewEntry(name=name, gateway=plan.gateway, mode=row.mode, allow=row.allow)
             )
             return []
         why = "was stopped" if row.phase is CrewPhase.STOPPED else "lost a container or its network"
-        await self._tear_down(name, keep_subnet=True)
+        await self._tear_down(row, keep_subnet=True)
         # "stopped" while it is re-created: a crash now makes the next start try again, where
         # "creating" would roll the crew back (delete it).
         self.store.update(name, phase=CrewPhase.STOPPED)
@@ -557,7 +645,114 @@ class CrewManager:
             for row in self.store.crews():
                 if row.phase is CrewPhase.READY:
                     try:
-                        await self._tear_down(row.name, keep_subnet=True)
+                        await self._tear_down(row, keep_subnet=True)
                     except DaemonError as exc:
                         log.error("stopping %s: %s", row.name, exc)
                     self.store.update(row.name, phase=CrewPhase.STOPPED)
+            # Nothing keeps running: the free slots go too (refilled at the next start).
+            async with self._pool_lock:
+                for slot in self.store.pool():
+                    try:
+                        await self._destroy_slot(slot.slot)
+                    except Exception as exc:
+                        log.error("destroying pool slot %s: %s", slot.slot, exc)
+
+    # -- the infra pool ---------------------------------------------------------------------
+
+    def pool_ready(self) -> int:
+        return sum(1 for slot in self.store.pool() if slot.phase is SlotPhase.READY)
+
+    def _free_slot(self) -> PoolSlot | None:
+        """The oldest ready slot. Called with the lock held, and trio runs one task at a time:
+        no other create can take the same slot (and take_slot checks it in SQL as well)."""
+        for slot in self.store.pool():
+            if slot.phase is SlotPhase.READY:
+                return slot
+        return None
+
+    async def _destroy_slot(self, slot: str) -> None:
+        """Containers, network, row: each attempted; the first error raised after all ran."""
+        errors: list[str] = []
+        for what, work in (
+            ("remove containers", functools.partial(self.provider.remove_crew, slot)),
+            ("release network", functools.partial(self.networks.release, slot)),
+        ):
+            try:
+                await trio.to_thread.run_sync(work)
+            except Exception as exc:
+                errors.append(f"{what}: {exc}")
+        if errors:
+            raise DaemonError(f"pool slot {slot}: " + "; ".join(errors))
+        self.store.pool_delete(slot)
+
+    async def _fill_slot(self) -> str:
+        """One new slot: row ("filling"), infra container, network (rules, then veth), row
+        ("ready"). On any failure, or cancellation, everything is undone (shielded)."""
+        slot = f"{self.config.crews.name_prefix}pool_{secrets.token_hex(4)}"
+        # Underscore: never a crew name (crews are letters, digits and '-'), always a netns id.
+        spec = CrewSpec(
+            name=slot,
+            image=self.agent_image,
+            infra_image=self.infra_image,
+            runtime=self.config.crews.default_runtime,
+        )
+        self.store.pool_insert(slot)
+        try:
+            pod = await trio.to_thread.run_sync(self.provider.create_infra, spec)
+            network = await trio.to_thread.run_sync(
+                self.networks.attach, slot, netns_of_pid(pod.infra_pid)
+            )
+            self.store.pool_ready(slot, pod.infra_id, pod.infra_pid, network.gateway)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._destroy_slot(slot)
+                except Exception:
+                    # The row stays "filling": the next start destroys what is left.
+                    log.exception("undoing pool slot %s", slot)
+            raise
+        return slot
+
+    async def keep_pool(self) -> None:
+        """Keep `[crews] infra_pool` slots (filling or ready); runs until cancelled."""
+        size = self.config.crews.infra_pool
+        backoff = 1.0
+        while size:
+            self._pool_wanted = trio.Event()
+            while len(self.store.pool()) < size:
+                try:
+                    async with self._pool_lock:
+                        slot = await self._fill_slot()
+                except Exception as exc:
+                    log.error(
+                        "infra pool: filling a slot failed (retry in %.0f s): %s", backoff, exc
+                    )
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, 60.0)
+                    continue
+                backoff = 1.0
+                log.info("infra pool: slot %s ready", slot)
+            await self._pool_wanted.wait()
+
+    async def _reconcile_slot(self, slot: PoolSlot, containers: list[OwnedContainer]) -> list[str]:
+        """A free slot is kept only if it is exactly what a fill leaves: its infra running
+        (the same container), no other container, and its network ready."""
+        record = {r.crew: r for r in self.networks.records()}.get(slot.slot)
+        intact = (
+            slot.phase is SlotPhase.READY
+            and len(containers) == 1
+            and containers[0].role is ContainerRole.INFRA
+            and containers[0].running
+            and containers[0].container_id == slot.infra_id
+            and record is not None
+            and record.phase.value == "ready"
+        )
+        if intact:
+            return []
+        await self._destroy_slot(slot.slot)
+        why = (
+            "interrupted fill"
+            if slot.phase is SlotPhase.FILLING
+            else "lost its container or network"
+        )
+        return [f"pool slot {slot.slot}: {why}: destroyed"]

@@ -3,6 +3,7 @@
 Theory of operation
 -------------------
     lock the state directory (flock: one daemon per state)
+    open the credential store (its key from ENCRYPTION_KEY or the key file; a wrong key stops here)
     open the state (SQLite) and the crews' networks (netns, its own state file under net/)
     open the journal (journal.db, docs/journal.md) and follow the proxy's event file into it
     start the proxy child (supervised; restarted and re-fed its crews if it dies)
@@ -31,6 +32,8 @@ from pathlib import Path
 import msgspec
 import trio
 
+from appliance.credstore import CredentialStore, load_key
+from appliance.hardening import forbid_core_dumps
 from appliance.journal import Journal
 from appliance.journal.recorder import JournalRecorder
 from appliance.runtime.base import RuntimeProvider
@@ -39,6 +42,7 @@ from netns import CrewNetworks
 from . import messages
 from .api import AdminServer
 from .config import ApplianceConfig
+from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
 from .proxy import ProxyChild
@@ -103,6 +107,8 @@ class Daemon:
         self.crews: CrewManager
         self.proxy: ProxyChild
         self.journal: Journal
+        self.recorder: JournalRecorder
+        self.credentials_api: CredentialsApi
 
     def _lock_state(self) -> None:
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -135,17 +141,25 @@ class Daemon:
             crews_ready=sum(1 for r in rows if r.phase is CrewPhase.READY),
             started=self.started,
             reconcile=self.reconcile_changes,
+            pool_size=self.config.crews.infra_pool,
+            pool_ready=self.crews.pool_ready(),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._lock_state()
-        store = StateStore(self.state_dir)
+        credentials = open_credentials(self.config)
+        try:
+            store = StateStore(self.state_dir)
+        except BaseException:
+            credentials.close()
+            raise
         networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
         journal = Journal(self.state_dir / JOURNAL_FILE)
         recorder = JournalRecorder(journal, on_backpressure=self._audit_paused)
         try:
             self.networks = networks
             self.journal = journal
+            self.recorder = recorder
             proxy_config = self.config.proxy_config()
             events_path = self.state_dir / PROXY_EVENTS_FILE
             if proxy_config.events.path is None:
@@ -156,6 +170,8 @@ class Daemon:
             elif proxy_config.events.path != "-":
                 events_path = Path(proxy_config.events.path)
             self.proxy = ProxyChild(proxy_config, self.state_dir, self.config.daemon.proxy_port)
+            self.credentials_api = CredentialsApi(credentials, self.proxy)
+            self.proxy.credentials_source = self.credentials_api.source
             images = await trio.to_thread.run_sync(resolve_images, self.config)
             self.crews = CrewManager(
                 self.config,
@@ -171,6 +187,14 @@ class Daemon:
                 await nursery.start(recorder.ingest_proxy_events, events_path)
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())
+                # Filled in the background: a create before a slot is ready builds its own.
+                pool_scope = trio.CancelScope()
+
+                async def keep_pool() -> None:
+                    with pool_scope:
+                        await self.crews.keep_pool()
+
+                nursery.start_soon(keep_pool)
                 await nursery.start(AdminServer(self).serve, self.config.daemon.admin_socket)
                 print(
                     f"applianced: ready (pid {os.getpid()}, admin socket "
@@ -183,6 +207,8 @@ class Daemon:
                     async for signum in signals:
                         log.warning("signal %d: shutting down", signum)
                         break
+                # The pool first: a fill in progress is finished or undone, never left half.
+                pool_scope.cancel()
                 if self.config.daemon.stop_crews_on_exit:
                     await self.crews.stop_all()
                 nursery.cancel_scope.cancel()
@@ -190,13 +216,29 @@ class Daemon:
             networks.close()
             journal.close()  # writes what is queued first
             store.close()
+            credentials.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
 
 
+def open_credentials(config: ApplianceConfig) -> CredentialStore:
+    """The credential store at its configured (or default) path, with its key."""
+    section = config.credentials
+    state_dir = Path(config.daemon.state_dir)
+    key_file = Path(section.key_file or state_dir / "credentials.key")
+    key, _source = load_key(section.key_env or None, key_file)
+    return CredentialStore(Path(section.db or state_dir / "credentials.db"), key)
+
+
 def run_daemon(config: ApplianceConfig) -> int:
     """The foreground daemon; returns the process exit code."""
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
+    # applianced holds the store's key and, while pushing them, credential values.
+    forbid_core_dumps()
+    # appliancectl's main configured WARNING for the admin commands; the daemon logs at INFO
+    # (crew and credential changes: names only, never a value).
+    logging.basicConfig(
+        level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", force=True
+    )
     try:
         provider = load_provider(config)
         daemon = Daemon(config, provider, on_step=kill_hook_from_env())

@@ -81,6 +81,8 @@ class Status(msgspec.Struct, frozen=True):
     crews_ready: int
     started: float
     reconcile: tuple[str, ...]  # what the reconciliation at start changed
+    pool_size: int = 0  # [crews] infra_pool: pre-plumbed infra namespaces kept ready
+    pool_ready: int = 0  # how many are ready now (a crew create takes one)
 
 
 class RunOutput(msgspec.Struct, frozen=True):
@@ -91,6 +93,55 @@ class RunOutput(msgspec.Struct, frozen=True):
 class RunExit(msgspec.Struct, frozen=True):
     exit_code: int
     timed_out: bool = False
+
+
+class AddCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The value travels only in this body (base64 in JSON), never in a URL or an argument."""
+
+    name: str
+    provider: str
+    value: bytes
+    level: str = "L3"
+    kind: str | None = None  # None: from the provider (api_key, oauth_token, secret)
+
+
+class RotateCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    value: bytes
+    level: str | None = None  # None: unchanged
+
+
+class GrantCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    crew: str
+    agent: str | None = None  # None: every agent of the crew (and the proxy injects it)
+
+
+class RevokeCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    crew: str | None = None  # None: every grant, and the credential is marked revoked
+    agent: str | None = None
+
+
+class CredentialGrant(msgspec.Struct, frozen=True):
+    crew: str
+    agent: str | None
+    granted: float
+
+
+class CredentialInfo(msgspec.Struct, frozen=True):
+    """Never a value."""
+
+    name: str
+    provider: str
+    kind: str
+    level: str
+    version: int
+    created: float
+    rotated: float
+    revoked: float | None
+    grants: tuple[CredentialGrant, ...]
+
+
+class CredentialList(msgspec.Struct, frozen=True):
+    credentials: tuple[CredentialInfo, ...]
 
 
 class ErrorBody(msgspec.Struct, frozen=True):

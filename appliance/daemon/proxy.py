@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -56,6 +57,9 @@ class ProxyChild:
         self._ready = trio.Event()
         self.restarts = 0
         self.audit_paused = False  # the journal is behind: crews are refused (docs/journal.md)
+        # The crews' provider credentials, asked for afresh at every (re)start of the proxy
+        # (appliance/daemon/credentials.py): applianced keeps no plaintext between pushes.
+        self.credentials_source: Callable[[], dict[str, dict[str, str]]] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -100,6 +104,13 @@ class ProxyChild:
                     await client.request(control.AuditPaused(paused=True))
                 for entry in list(self.crews.values()):
                     await self._send_add(client, entry)
+                if self.credentials_source is not None:
+                    reply = await client.request(
+                        control.CredentialsSet(crews=self.credentials_source())
+                    )
+                    if not reply.ok:
+                        # Fail closed: a proxy without the crews' keys must not serve them.
+                        raise OSError(f"the proxy refused the credentials: {reply.error}")
             except (trio.TooSlowError, trio.BrokenResourceError, OSError) as exc:
                 log.error("proxy did not come up: %s", exc)
                 process.kill()
@@ -214,6 +225,12 @@ class ProxyChild:
         reply = await self._request(control.AuditPaused(paused=paused))
         if not reply.ok:
             raise Unavailable(f"the proxy refused audit_paused={paused}: {reply.error}")
+
+    async def set_credentials(self, crews: dict[str, dict[str, str]]) -> None:
+        """Replace every crew's store credentials in the running proxy (the whole map)."""
+        reply = await self._request(control.CredentialsSet(crews=crews))
+        if not reply.ok:
+            raise Unavailable(f"the proxy refused the credentials: {reply.error}")
 
     async def ping(self) -> bool:
         try:

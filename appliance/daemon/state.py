@@ -11,6 +11,10 @@ next start knows what to finish or undo (see `crews.py` for the rules):
     stopped   -> torn down on purpose at daemon exit          (next start re-creates it)
     failed    -> could not be restored at start; nothing left running (operator: `crew rm`)
 
+A pool slot (`crews.py`, the pool) has a row of its own in `pool` ("filling", then "ready")
+until a crew takes it: the crew's row is inserted with `slot` set and the pool row deleted in
+one transaction (`take_slot`).
+
 Address allocations are not duplicated here: the network layer keeps them in its own state file
 (`<state_dir>/net/netns-state.json`, written atomically by `netns/`), and a crew row refers to its
 allocation by the crew name. Two stores could disagree after a crash; reconciliation treats the
@@ -34,7 +38,7 @@ import msgspec
 
 from .errors import DaemonError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_FILE = "applianced.db"
 
 _SCHEMA = """
@@ -52,9 +56,20 @@ CREATE TABLE IF NOT EXISTS crews (
     gateway TEXT,
     created REAL NOT NULL,
     updated REAL NOT NULL,
-    error TEXT
+    error TEXT,
+    slot TEXT                     -- the pool slot it took: its infra and network are keyed by it
+);
+CREATE TABLE IF NOT EXISTS pool (
+    slot TEXT PRIMARY KEY,
+    phase TEXT NOT NULL,          -- "filling" (being set up) or "ready"
+    infra_id TEXT,
+    infra_pid INTEGER,
+    gateway TEXT,
+    created REAL NOT NULL
 );
 """
+# Version 1 had no pool: its crews table gains the slot column, the pool table is created above.
+_MIGRATE_1_TO_2 = "ALTER TABLE crews ADD COLUMN slot TEXT"
 
 
 class CrewPhase(enum.StrEnum):
@@ -79,6 +94,27 @@ class CrewRow(msgspec.Struct, frozen=True):
     agent_id: str | None = None
     gateway: str | None = None
     error: str | None = None
+    slot: str | None = None
+
+    @property
+    def key(self) -> str:
+        """What its infra container's label and its network are keyed by: the pool slot it
+        took, else its own name (labels are immutable, so a slot's id stays with it)."""
+        return self.slot or self.name
+
+
+class SlotPhase(enum.StrEnum):
+    FILLING = "filling"
+    READY = "ready"
+
+
+class PoolSlot(msgspec.Struct, frozen=True):
+    slot: str
+    phase: SlotPhase
+    created: float
+    infra_id: str | None = None
+    infra_pid: int | None = None
+    gateway: str | None = None
 
 
 class StateCorrupt(DaemonError):
@@ -102,6 +138,11 @@ class StateStore:
                 self.db.execute(
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
+                )
+            elif int(row["value"]) == 1:
+                self.db.execute(_MIGRATE_1_TO_2)
+                self.db.execute(
+                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
                 )
             elif int(row["value"]) != SCHEMA_VERSION:
                 raise StateCorrupt(
@@ -132,6 +173,7 @@ class StateStore:
             agent_id=row["agent_id"],
             gateway=row["gateway"],
             error=row["error"],
+            slot=row["slot"],
         )
 
     def crews(self) -> list[CrewRow]:
@@ -146,7 +188,8 @@ class StateStore:
         """Record the intent to create a crew. sqlite3.IntegrityError if the name is taken."""
         self.db.execute(
             "INSERT INTO crews(name, mode, allow, runtime, memory_bytes, cpus, phase, infra_id,"
-            " agent_id, gateway, created, updated, error) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " agent_id, gateway, created, updated, error, slot)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 crew.name,
                 crew.mode,
@@ -161,8 +204,57 @@ class StateStore:
                 crew.created,
                 crew.updated,
                 crew.error,
+                crew.slot,
             ),
         )
+
+    def take_slot(self, crew: CrewRow, slot: PoolSlot) -> None:
+        """Insert the crew's row (with its slot, infra and gateway) and delete the slot's pool
+        row in one transaction: after a crash the slot is either free or the crew's, never both
+        or neither. sqlite3.IntegrityError if the name is taken; DaemonError if the slot is."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            gone = self.db.execute(
+                "DELETE FROM pool WHERE slot=? AND phase=?", (slot.slot, SlotPhase.READY.value)
+            )
+            if gone.rowcount != 1:
+                raise DaemonError(f"pool slot {slot.slot} is not ready")
+            self.insert(crew)
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # -- the pool of pre-plumbed infra namespaces (crews.py, InfraPool) --------------------
+
+    def pool(self) -> list[PoolSlot]:
+        rows = self.db.execute("SELECT * FROM pool ORDER BY created, slot").fetchall()
+        return [
+            PoolSlot(
+                slot=row["slot"],
+                phase=SlotPhase(row["phase"]),
+                created=row["created"],
+                infra_id=row["infra_id"],
+                infra_pid=row["infra_pid"],
+                gateway=row["gateway"],
+            )
+            for row in rows
+        ]
+
+    def pool_insert(self, slot: str) -> None:
+        self.db.execute(
+            "INSERT INTO pool(slot, phase, created) VALUES (?,?,?)",
+            (slot, SlotPhase.FILLING.value, time.time()),
+        )
+
+    def pool_ready(self, slot: str, infra_id: str, infra_pid: int, gateway: str) -> None:
+        self.db.execute(
+            "UPDATE pool SET phase=?, infra_id=?, infra_pid=?, gateway=? WHERE slot=?",
+            (SlotPhase.READY.value, infra_id, infra_pid, gateway, slot),
+        )
+
+    def pool_delete(self, slot: str) -> None:
+        self.db.execute("DELETE FROM pool WHERE slot=?", (slot,))
 
     _UPDATABLE = frozenset({"phase", "infra_id", "agent_id", "gateway", "error", "allow"})
 

@@ -48,6 +48,8 @@ FULL_RETRY = 0.05
 BACKLOG_HIGH = 4 << 20
 BACKLOG_LOW = 1 << 20
 
+_PAST = {"grant": "granted", "revoke": "revoked", "rotate": "rotated"}
+
 Backpressure = Callable[[bool], Awaitable[None]]
 
 
@@ -162,6 +164,12 @@ class JournalRecorder:
     async def allowlist_changed(self, crew: str, host: str, changed: bool) -> None:
         if changed:
             await self.record(E.AllowlistChanged(crew=crew, host=host, source="admin"))
+
+    async def credential_changed(self, name: str, parts: list[str], provider: str) -> None:
+        """After a credential endpoint changed the store (`POST /v1/credentials[/NAME/ACTION]`);
+        names and provider only, never a value."""
+        action = "added" if len(parts) == 1 else _PAST.get(parts[-1], parts[-1])
+        await self.record(E.CredentialChanged(name=name, action=action, provider=provider))
 
     # -- runs ------------------------------------------------------------------------------
 
