@@ -67,6 +67,28 @@ def test_journal_records_crews_runs_and_proxy_decisions(
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
 
+    # Credential changes: names and actions, never the value.
+    value = "journal-test-credential-value-0123456789"
+    added = subprocess.run(
+        [
+            *(sys.executable, "-m", "appliance.cli", "--socket", str(app.socket)),
+            *("cred", "add", "jcred", "--provider", "anthropic"),
+        ],
+        input=value + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=proxy_env(),
+        cwd=ROOT,
+    )
+    assert added.returncode == 0, added.stderr
+    assert app.ctl("cred", "grant", "jcred", name).returncode == 0
+    changes = entries(app, "--type", "credential.changed")
+    assert [json.loads(str(c["payload"]))["action"] for c in changes] == ["added", "granted"]
+    for suffix in ("", "-wal"):
+        path = app.state_dir / f"journal.db{suffix}"
+        assert not path.exists() or value.encode() not in path.read_bytes()
+
     allowed = app.ctl(
         "run", name, "--", "wget", "-q", "-O-", f"http://plain.test:{app.plain_port}/x"
     )
