@@ -3,8 +3,8 @@
 Exit codes: 0 success, 1 a runtime failure (could not listen, peer refused, a step failed), 2 bad
 usage or a bad configuration or request (the message names the key or argument), 3 not found (no
 such crew), 4 conflict (the crew exists, or is not in a phase that allows it), 5 applianced is
-not reachable. `run` returns the command's own exit code (124 if it timed out). Every command
-takes `--json`.
+not reachable, 6 the journal failed verification (`journal verify` names the entry). `run`
+returns the command's own exit code (124 if it timed out). Every command takes `--json`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_UNREACHABLE = 3, 4, 5
+EXIT_TAMPERED = 6
 EXIT_TIMED_OUT = 124  # as timeout(1)
 
 
@@ -563,6 +564,95 @@ def cmd_run(args: argparse.Namespace, out: _Output) -> int:
     return exit_code if 0 <= exit_code <= 255 else EXIT_FAILURE
 
 
+def _journal_line(row: dict[str, Any]) -> str:
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["ts"]))
+    return f"{row['seq']:>7} {when} {row['type']:<20} {row['crew'] or '-':<16} {row['summary']}"
+
+
+def _journal_query(**params: object) -> str:
+    from urllib.parse import urlencode
+
+    return urlencode({k: v for k, v in params.items() if v is not None})
+
+
+def cmd_journal_tail(args: argparse.Namespace, out: _Output) -> int:
+    import time
+
+    if args.n < 0:
+        return out.error("argument -n: must be >= 0", EXIT_USAGE)
+    after = 0
+    count = args.n
+    if args.follow and count == 0:
+        # Nothing of the past: start at the current end.
+        code, reply = _admin(args, out, "GET", f"/v1/journal?{_journal_query(n=1)}")
+        if code:
+            return code
+        after = max([row["seq"] for row in reply["entries"]], default=0)
+    while True:
+        query = _journal_query(n=count, crew=args.crew, type=args.type, after=after)
+        code, reply = _admin(args, out, "GET", f"/v1/journal?{query}")
+        if code:
+            return code
+        for row in reply["entries"]:
+            print(json.dumps(row) if out.as_json else _journal_line(row), flush=True)
+            after = max(after, row["seq"])
+        if not args.follow:
+            return EXIT_OK
+        count = 1000
+        if len(reply["entries"]) < count:
+            time.sleep(0.5)
+
+
+def cmd_journal_search(args: argparse.Namespace, out: _Output) -> int:
+    query = _journal_query(q=args.query, n=args.n)
+    code, reply = _admin(args, out, "GET", f"/v1/journal/search?{query}")
+    if code:
+        return code
+    if out.as_json:
+        out.result("", {"ok": True, **reply})
+    else:
+        for row in reply["entries"]:
+            print(_journal_line(row), flush=True)
+    return EXIT_OK
+
+
+def cmd_journal_export(args: argparse.Namespace, out: _Output) -> int:
+    from appliance.daemon.client import AdminClient, AdminError, Unreachable
+
+    client = AdminClient(_socket_path(args), timeout=None)
+    try:
+        for line in client.lines("/v1/journal/export"):
+            sys.stdout.buffer.write(line)
+        sys.stdout.flush()
+    except Unreachable as exc:
+        return out.error(str(exc), EXIT_UNREACHABLE)
+    except AdminError as exc:
+        return out.error(exc.message, _exit_for_status(exc.status), kind=exc.error)
+    return EXIT_OK
+
+
+def cmd_journal_verify(args: argparse.Namespace, out: _Output) -> int:
+    code, report = _admin(args, out, "GET", "/v1/journal/verify")
+    if code:
+        return code
+    problem = report.get("problem")
+    if problem is None:
+        out.result(
+            f"journal intact: {report['entries']} entries, head {report['head_seq']} "
+            f"{report['head_hash']} (anchor at {report['anchor_seq']})",
+            {**report},
+        )
+        return EXIT_OK
+    message = f"journal TAMPERED at entry {problem['seq']} ({problem['kind']}): {problem['detail']}"
+    if out.as_json:
+        print(json.dumps(report), flush=True)
+    else:
+        print(f"appliancectl: {message}", file=sys.stderr, flush=True)
+    return EXIT_TAMPERED
+
+
 def cmd_net_show(args: argparse.Namespace, out: _Output) -> int:
     code, report = _admin(args, out, "GET", "/v1/net")
     if code:
@@ -806,6 +896,27 @@ def _add_admin_parsers(commands: Any) -> None:
     run.set_defaults(func=cmd_run)
 
     _add_cred_parsers(commands, leaf)
+
+    journal = commands.add_parser("journal", help="the tamper-evident journal")
+    journals = journal.add_subparsers(dest="journal_command", required=True)
+    tail = leaf(journals.add_parser("tail", help="the latest entries, oldest first"))
+    tail.add_argument("-f", "--follow", action="store_true", help="keep printing new entries")
+    tail.add_argument("--crew", help="only this crew's entries")
+    tail.add_argument("--type", help="only this type (run matches every run.* type)")
+    tail.add_argument("-n", type=int, default=20, help="how many (default 20)")
+    tail.set_defaults(func=cmd_journal_tail)
+    search = leaf(journals.add_parser("search", help="full-text search (FTS5 syntax)"))
+    search.add_argument("query")
+    search.add_argument("-n", type=int, default=50, help="at most this many (default 50)")
+    search.set_defaults(func=cmd_journal_search)
+    export = leaf(journals.add_parser("export", help="every entry as JSON lines, to stdout"))
+    export.add_argument(
+        "--jsonl", action="store_true", required=True, help="JSON lines (the only format)"
+    )
+    export.set_defaults(func=cmd_journal_export)
+    leaf(
+        journals.add_parser("verify", help="check the hash chain; exit 6 naming the entry if not")
+    ).set_defaults(func=cmd_journal_verify)
 
     net = commands.add_parser("net", help="the crews' networks")
     nets = net.add_subparsers(dest="net_command", required=True)

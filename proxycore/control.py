@@ -65,7 +65,19 @@ class CrewRemove(msgspec.Struct, frozen=True, tag="crew_remove", forbid_unknown_
     name: str
 
 
-ControlMessage = AllowHost | Ping | ReloadCredentials | CredentialsSet | CrewAdd | CrewRemove
+class AuditPaused(msgspec.Struct, frozen=True, tag="audit_paused", forbid_unknown_fields=True):
+    """The control plane's journal cannot keep up (`paused` true) or has caught up (false).
+
+    While paused, every crew request is refused with 503 `audit_unavailable` before any policy
+    decision or upstream connection: a crew's traffic is refused rather than left unaudited.
+    """
+
+    paused: bool
+
+
+ControlMessage = (
+    AllowHost | Ping | ReloadCredentials | CredentialsSet | CrewAdd | CrewRemove | AuditPaused
+)
 
 
 class ControlReply(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -95,6 +95,7 @@ MEMO_SIZE = 4096
 REAP_INTERVAL = 0.25
 LINGER_BYTES = 256 * 1024
 LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
+AUDIT_UNAVAILABLE = "audit_unavailable"  # the rule named when the journal is behind
 # Response bodies up to this size are read whole before relaying, so they keep a Content-Length
 # after scrubbing; larger ones (and chunked, and SSE) stream through the scrubber.
 WHOLE_BODY = 64 * 1024
@@ -134,6 +135,8 @@ class ProxyRuntime:
     def __init__(self, config: ProxyConfig, sink: EventSink) -> None:
         self.config = config
         self.sink = sink
+        # Set by the control plane when its journal is behind (control.AuditPaused).
+        self.audit_paused = False
         limits = config.limits
         self.limits = limits
         self.http_limits = http1.Limits(
@@ -337,6 +340,10 @@ class ProxyRuntime:
             return self.add_crew(message)
         if isinstance(message, control.CrewRemove):
             return self.remove_crew(message.name)
+        if isinstance(message, control.AuditPaused):
+            changed = message.paused != self.audit_paused
+            self.audit_paused = message.paused
+            return control.ControlReply(ok=True, changed=changed)
         crew = self.crew_named(message.crew)
         if crew is None:
             return control.ControlReply(ok=False, error=f"unknown crew {message.crew!r}")
@@ -645,7 +652,13 @@ class ClientConnection:
         return _Refused(
             status,
             Refusal(
-                error="egress_denied" if status == 403 else "upstream_failed",
+                error=(
+                    "egress_denied"
+                    if status == 403
+                    else "audit_unavailable"
+                    if rule == AUDIT_UNAVAILABLE
+                    else "upstream_failed"
+                ),
                 message=message,
                 host=host,
                 rule=rule,
@@ -675,6 +688,19 @@ class ClientConnection:
         self, route: str, method: bytes, host: str, port: int, close: bool
     ) -> None:
         crew = self.crew
+        if self.runtime.audit_paused:
+            # Every route (forward, reverse, tunnel) passes here before anything is dialled.
+            raise self._deny(
+                route,
+                method,
+                host,
+                port,
+                AUDIT_UNAVAILABLE,
+                503,
+                "the appliance cannot record requests right now (its journal is behind); "
+                "nothing was sent; retry in a few seconds",
+                close,
+            )
         decision = crew.decide(host, port)
         if not decision.allowed:
             why = {

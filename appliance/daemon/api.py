@@ -17,6 +17,10 @@ One request per connection (`Connection: close`): appliancectl opens a connectio
     GET    /v1/net                     netns.NetworkReport (crews by name, then free pool slots)
     GET    /v1/credentials             CredentialList; POST adds; .../{name}/grant|revoke|rotate
                                        (appliance/daemon/credentials.py; values only in bodies)
+    GET    /v1/journal?n=&crew=&type=&after=   {"entries": [journal Row...]}, oldest first
+    GET    /v1/journal/search?q=&n=    {"entries": [...]} (FTS5 MATCH over summary and payload)
+    GET    /v1/journal/export          200, chunked JSON lines: every Row in seq order
+    GET    /v1/journal/verify          journal VerifyReport (200 whether or not it is ok)
 
 Errors are `{"error": code, "message": text}` with the status the error class carries
 (errors.py): 400 invalid (names the argument), 404 not_found, 409 exists/conflict, 503
@@ -27,11 +31,14 @@ capped at MAX_BODY.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -194,8 +201,13 @@ class AdminServer:
         if parts == ["status"]:
             only("GET")
             return _Reply(200, await self.daemon.status())
+        if parts[0] == "journal":
+            only("GET")
+            return await self._journal(parts[1:], target, stream, conn)
         if parts[0] == "credentials":
             status, reply = await self.daemon.credentials_api.handle(method, parts, body)
+            if method == "POST" and isinstance(reply, messages.CredentialInfo):
+                await self.daemon.recorder.credential_changed(reply.name, parts, reply.provider)
             return _Reply(status, reply)
         if parts == ["net"]:
             only("GET")
@@ -229,6 +241,73 @@ class AdminServer:
                 await self._stream_run(stream, conn, events)
                 return None
         raise _NotFound(f"no such endpoint: {path}")
+
+    async def _journal(
+        self, parts: list[str], target: str, stream: trio.SocketStream, conn: h11.Connection
+    ) -> _Reply | None:
+        from appliance.journal import JournalError, store
+
+        journal = self.daemon.journal
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+
+        def arg(name: str) -> str | None:
+            values = query.get(name)
+            return values[-1] if values else None
+
+        def number(name: str, default: int) -> int:
+            text = arg(name)
+            if text is None:
+                return default
+            if not text.isdigit():
+                raise InvalidRequest(f"argument {name}: {text!r} is not a non-negative integer")
+            return int(text)
+
+        try:
+            if parts == []:
+                rows = await trio.to_thread.run_sync(
+                    functools.partial(
+                        journal.tail,
+                        min(number("n", 20), 10_000),
+                        crew=arg("crew"),
+                        type=arg("type"),
+                        after=number("after", 0),
+                    )
+                )
+                return _Reply(200, {"entries": rows})
+            if parts == ["search"]:
+                q = arg("q")
+                if not q:
+                    raise InvalidRequest("argument query: needs a search expression")
+                rows = await trio.to_thread.run_sync(
+                    journal.search, q, min(number("n", 50), 10_000)
+                )
+                return _Reply(200, {"entries": rows})
+            if parts == ["verify"]:
+                return _Reply(200, await trio.to_thread.run_sync(journal.verify))
+        except JournalError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if parts == ["export"]:
+            await self._stream_export(stream, conn, store.export(journal.path))
+            return None
+        raise _NotFound(f"no such endpoint: /v1/journal/{'/'.join(parts)}")
+
+    async def _stream_export(
+        self, stream: trio.SocketStream, conn: h11.Connection, rows: Iterator[Any]
+    ) -> None:
+        headers = [
+            ("Content-Type", "application/x-ndjson"),
+            ("Transfer-Encoding", "chunked"),
+            ("Connection", "close"),
+        ]
+        await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
+        while True:
+            # Pages of rows read off the trio thread; the sqlite reads never block the loop.
+            page = await trio.to_thread.run_sync(lambda: list(itertools.islice(rows, 1000)))
+            if not page:
+                break
+            data = b"".join(messages.encoder.encode(row) + b"\n" for row in page)
+            await stream.send_all(conn.send(h11.Data(data=data)))
+        await stream.send_all(conn.send(h11.EndOfMessage()))
 
     async def _stream_run(
         self, stream: trio.SocketStream, conn: h11.Connection, events: Any

@@ -215,6 +215,16 @@ class AdminClient:
         finally:
             response.close()
 
+    def lines(self, target: str) -> Iterator[bytes]:
+        """A streamed JSON-lines answer (journal export), one raw line at a time."""
+        response = self._open("GET", target, None)
+        try:
+            yield from response.lines()
+        except (OSError, _ProtocolError) as exc:
+            raise Unreachable(f"applianced on {self.path}: {exc}") from None
+        finally:
+            response.close()
+
     def run(
         self, crew: str, argv: list[str], timeout: float | None
     ) -> Iterator[RunOutput | RunExit]:

@@ -62,6 +62,8 @@ from typing import Any
 import msgspec
 import trio
 
+from appliance.journal.entries import CrewFailed, CrewRemoved
+from appliance.journal.recorder import JournalRecorder, crew_created
 from appliance.runtime.base import (
     AGENT_KEY_PLACEHOLDER,
     AGENT_KEY_VARIABLES,
@@ -194,6 +196,7 @@ class CrewManager:
         self.agent_image, self.infra_image = images
         self.on_step = on_step
         self.lock = trio.Lock()
+        self.journal = JournalRecorder()  # applianced sets the real one (appliance/journal)
         self._runtimes: tuple[str, ...] | None = None
         # The pool: one fill at a time (held across a fill and by whoever destroys free
         # slots), and an event set when a slot is taken (keep_pool refills).
@@ -328,7 +331,8 @@ class CrewManager:
                 self.store.delete(row.name)
 
             await steps.run("record intent", record, forget)
-            await self._bring_up(row, steps, slot)
+            async with self.journal.crew_change(row.name, crew_created(row)):
+                await self._bring_up(row, steps, slot)
             return self._row(row.name)
 
     async def _bring_up(self, row: CrewRow, steps: _Steps, slot: PoolSlot | None = None) -> None:
@@ -441,6 +445,7 @@ class CrewManager:
             with trio.CancelScope(shield=True):
                 await self._tear_down(row, keep_subnet=False)
                 self.store.delete(name)
+                await self.journal.record(CrewRemoved(crew=name))
 
     async def allow(self, name: str, host: str) -> bool:
         async with self.lock:
@@ -456,7 +461,9 @@ class CrewManager:
             # answer says whether the running policy changed.
             if normalized not in row.allow:
                 self.store.update(name, allow=(*row.allow, normalized))
-            return await self.proxy.allow(name, normalized)
+            changed = await self.proxy.allow(name, normalized)
+            await self.journal.allowlist_changed(name, normalized, changed)
+            return changed
 
     # -- run --------------------------------------------------------------------------------
 
@@ -470,7 +477,8 @@ class CrewManager:
             raise InvalidRequest("argument argv: needs a command")
         if timeout is not None and timeout <= 0:
             raise InvalidRequest("argument timeout: must be > 0")
-        return self.provider.exec(name, list(argv), timeout=timeout)
+        stream = self.provider.exec(name, list(argv), timeout=timeout)
+        return self.journal.run(name, argv, timeout, stream)
 
     # -- inspection -------------------------------------------------------------------------
 
@@ -627,6 +635,7 @@ class CrewManager:
             await self._bring_up(row, _Steps(name, self.on_step))
         except StepFailed as exc:
             self.store.update(name, phase=CrewPhase.FAILED, error=str(exc))
+            await self.journal.record(CrewFailed(crew=name, error=str(exc)))
             return [f"{name}: {why}; re-creating it failed, marked failed: {exc}"]
         return [f"{name}: {why}; re-created"]
 

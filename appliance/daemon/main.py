@@ -5,6 +5,7 @@ Theory of operation
     lock the state directory (flock: one daemon per state)
     open the credential store (its key from ENCRYPTION_KEY or the key file; a wrong key stops here)
     open the state (SQLite) and the crews' networks (netns, its own state file under net/)
+    open the journal (journal.db, docs/journal.md) and follow the proxy's event file into it
     start the proxy child (supervised; restarted and re-fed its crews if it dies)
     reconcile (docs/daemon.md): the world is made to match the state rows
     open the admin socket (only now: no request sees a half-reconciled state)
@@ -28,10 +29,13 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import trio
 
 from appliance.credstore import CredentialStore, load_key
 from appliance.hardening import forbid_core_dumps
+from appliance.journal import Journal
+from appliance.journal.recorder import JournalRecorder
 from appliance.runtime.base import RuntimeProvider
 from netns import CrewNetworks
 
@@ -47,6 +51,9 @@ from .state import CrewPhase, StateStore
 log = logging.getLogger("applianced")
 
 LOCK_FILE = "applianced.lock"
+JOURNAL_FILE = "journal.db"
+# The proxy child writes its decisions here (proxycore/events.py); applianced journals them.
+PROXY_EVENTS_FILE = "proxy-events.jsonl"
 
 
 def load_provider(config: ApplianceConfig) -> RuntimeProvider:
@@ -99,6 +106,8 @@ class Daemon:
         self.networks: CrewNetworks
         self.crews: CrewManager
         self.proxy: ProxyChild
+        self.journal: Journal
+        self.recorder: JournalRecorder
         self.credentials_api: CredentialsApi
 
     def _lock_state(self) -> None:
@@ -111,6 +120,9 @@ class Daemon:
             os.close(fd)
             raise Unavailable(f"another applianced holds {self.state_dir}") from None
         self._lock_fd = fd
+
+    async def _audit_paused(self, paused: bool) -> None:
+        await self.proxy.set_audit_paused(paused)
 
     async def status(self) -> messages.Status:
         rows = self.crews.store.crews()
@@ -142,11 +154,22 @@ class Daemon:
             credentials.close()
             raise
         networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
+        journal = Journal(self.state_dir / JOURNAL_FILE)
+        recorder = JournalRecorder(journal, on_backpressure=self._audit_paused)
         try:
             self.networks = networks
-            self.proxy = ProxyChild(
-                self.config.proxy_config(), self.state_dir, self.config.daemon.proxy_port
-            )
+            self.journal = journal
+            self.recorder = recorder
+            proxy_config = self.config.proxy_config()
+            events_path = self.state_dir / PROXY_EVENTS_FILE
+            if proxy_config.events.path is None:
+                proxy_config = msgspec.structs.replace(
+                    proxy_config,
+                    events=msgspec.structs.replace(proxy_config.events, path=str(events_path)),
+                )
+            elif proxy_config.events.path != "-":
+                events_path = Path(proxy_config.events.path)
+            self.proxy = ProxyChild(proxy_config, self.state_dir, self.config.daemon.proxy_port)
             self.credentials_api = CredentialsApi(credentials, self.proxy)
             self.proxy.credentials_source = self.credentials_api.source
             images = await trio.to_thread.run_sync(resolve_images, self.config)
@@ -159,7 +182,9 @@ class Daemon:
                 images,
                 on_step=self.on_step,
             )
+            self.crews.journal = recorder
             async with trio.open_nursery() as nursery:
+                await nursery.start(recorder.ingest_proxy_events, events_path)
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())
                 # Filled in the background: a create before a slot is ready builds its own.
@@ -189,6 +214,7 @@ class Daemon:
                 nursery.cancel_scope.cancel()
         finally:
             networks.close()
+            journal.close()  # writes what is queued first
             store.close()
             credentials.close()
             if self._lock_fd is not None:

@@ -56,6 +56,7 @@ class ProxyChild:
         self.listeners: dict[str, socket.socket] = {}
         self._ready = trio.Event()
         self.restarts = 0
+        self.audit_paused = False  # the journal is behind: crews are refused (docs/journal.md)
         # The crews' provider credentials, asked for afresh at every (re)start of the proxy
         # (appliance/daemon/credentials.py): applianced keeps no plaintext between pushes.
         self.credentials_source: Callable[[], dict[str, dict[str, str]]] | None = None
@@ -99,6 +100,8 @@ class ProxyChild:
                     reply = await client.request(control.Ping())
                 if not reply.ok:
                     raise Unavailable(f"the proxy refused a ping: {reply.error}")
+                if self.audit_paused:
+                    await client.request(control.AuditPaused(paused=True))
                 for entry in list(self.crews.values()):
                     await self._send_add(client, entry)
                 if self.credentials_source is not None:
@@ -215,6 +218,13 @@ class ProxyChild:
         if not reply.ok:
             raise Unavailable(f"the proxy refused {host!r} for crew {name!r}: {reply.error}")
         return reply.changed
+
+    async def set_audit_paused(self, paused: bool) -> None:
+        """Refuse (or serve again) every crew's traffic while the journal cannot record it."""
+        self.audit_paused = paused
+        reply = await self._request(control.AuditPaused(paused=paused))
+        if not reply.ok:
+            raise Unavailable(f"the proxy refused audit_paused={paused}: {reply.error}")
 
     async def set_credentials(self, crews: dict[str, dict[str, str]]) -> None:
         """Replace every crew's store credentials in the running proxy (the whole map)."""

@@ -1,0 +1,276 @@
+"""The journal's typed entries: one frozen msgspec Struct per entry type, a tagged union.
+
+Every entry is scoped by (workspace, crew, agent, mission, trace_id); a run's entries share the
+run id as trace_id, so a run is the aggregate of the entries with that trace id. The tag (the
+`type` field of the JSON) is the entry type's dotted name. `summary()` is the one line shown by
+`journal tail` and indexed for search together with the payload.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+
+import msgspec
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    ts: float = msgspec.field(default_factory=time.time)
+    workspace: str = "default"
+    crew: str | None = None
+    agent: str | None = None
+    mission: str | None = None
+    trace_id: str | None = None
+
+    def summary(self) -> str:
+        return str(type(self).__struct_config__.tag)
+
+
+# -- runs (`appliancectl run`) ---------------------------------------------------------------
+
+
+class RunStarted(Entry, frozen=True, tag="run.started"):
+    argv: tuple[str, ...]
+    timeout: float | None = None
+
+    def summary(self) -> str:
+        return f"run started: {shlex.join(self.argv)}"
+
+
+class RunCompleted(Entry, frozen=True, tag="run.completed"):
+    exit_code: int
+    duration: float
+
+    def summary(self) -> str:
+        return f"run completed: exit {self.exit_code} in {self.duration:.3f} s"
+
+
+class RunFailed(Entry, frozen=True, tag="run.failed"):
+    error: str
+    duration: float
+
+    def summary(self) -> str:
+        return f"run failed: {self.error}"
+
+
+class RunCancelled(Entry, frozen=True, tag="run.cancelled"):
+    duration: float
+
+    def summary(self) -> str:
+        return f"run cancelled after {self.duration:.3f} s"
+
+
+class RunTimeout(Entry, frozen=True, tag="run.timeout"):
+    timeout: float | None
+    duration: float
+
+    def summary(self) -> str:
+        return f"run timed out after {self.duration:.3f} s"
+
+
+# -- the proxy's decisions (from proxycore.events) ---------------------------------------------
+
+
+class ProxyAllow(Entry, frozen=True, tag="proxy.allow"):
+    mode: str
+    route: str
+    method: str
+    host: str
+    port: int
+    address: str
+    rule: str
+
+    def summary(self) -> str:
+        return f"allow {self.method} {self.host}:{self.port} ({self.route}, rule {self.rule})"
+
+
+class ProxyDeny(Entry, frozen=True, tag="proxy.deny"):
+    mode: str
+    route: str
+    method: str
+    host: str
+    port: int
+    rule: str
+    status: int
+
+    def summary(self) -> str:
+        return (
+            f"deny {self.method} {self.host}:{self.port} ({self.route}, {self.rule}) "
+            f"-> {self.status}"
+        )
+
+
+class CredentialInjected(Entry, frozen=True, tag="credential.injected"):
+    provider: str
+    host: str
+
+    def summary(self) -> str:
+        return f"credential of {self.provider} injected for {self.host}"
+
+
+class TunnelOpened(Entry, frozen=True, tag="tunnel.opened"):
+    tunnel_id: int
+    host: str
+    port: int
+    address: str
+
+    def summary(self) -> str:
+        return f"tunnel {self.tunnel_id} opened to {self.host}:{self.port} ({self.address})"
+
+
+class TunnelClosed(Entry, frozen=True, tag="tunnel.closed"):
+    tunnel_id: int
+    host: str
+    port: int
+    bytes_up: int
+    bytes_down: int
+    duration: float
+    reason: str
+
+    def summary(self) -> str:
+        return (
+            f"tunnel {self.tunnel_id} to {self.host}:{self.port} closed ({self.reason}): "
+            f"{self.bytes_up} up, {self.bytes_down} down in {self.duration:.3f} s"
+        )
+
+
+class ProxyNotice(Entry, frozen=True, tag="proxy.notice"):
+    """A policy warning, or events the proxy had to drop (its count is never lost)."""
+
+    message: str
+    dropped: int = 0
+
+    def summary(self) -> str:
+        return f"proxy: {self.message}"
+
+
+# -- control plane -----------------------------------------------------------------------------
+
+
+class CommandExecuted(Entry, frozen=True, tag="command.executed"):
+    argv: tuple[str, ...]
+    exit_code: int | None
+    credential: str | None = None  # the credential's name, never its value
+
+    def summary(self) -> str:
+        return f"command executed: {shlex.join(self.argv)} -> {self.exit_code}"
+
+
+class KeeperDecision(Entry, frozen=True, tag="keeper.decision"):
+    action: str  # "request" | "execute"
+    credential: str
+    decision: str  # "allow" | "deny"
+    reason: str
+    level: str = ""
+
+    def summary(self) -> str:
+        return f"keeper {self.decision} {self.action} of {self.credential}: {self.reason}"
+
+
+class AllowlistChanged(Entry, frozen=True, tag="allowlist.changed"):
+    host: str
+    added: bool = True
+    source: str = "admin"
+
+    def summary(self) -> str:
+        return f"allowlist: {'added' if self.added else 'removed'} {self.host} ({self.source})"
+
+
+class CredentialChanged(Entry, frozen=True, tag="credential.changed"):
+    name: str
+    action: str  # added | rotated | revoked | granted | removed
+    provider: str | None = None
+
+    def summary(self) -> str:
+        return f"credential {self.name} {self.action}"
+
+
+class CrewCreated(Entry, frozen=True, tag="crew.created"):
+    mode: str
+    allow: tuple[str, ...]
+    runtime: str
+
+    def summary(self) -> str:
+        return f"crew created ({self.mode}, {self.runtime}, allow {', '.join(self.allow) or '-'})"
+
+
+class CrewRemoved(Entry, frozen=True, tag="crew.removed"):
+    def summary(self) -> str:
+        return "crew removed"
+
+
+class CrewFailed(Entry, frozen=True, tag="crew.failed"):
+    error: str
+
+    def summary(self) -> str:
+        return f"crew failed: {self.error}"
+
+
+class Redacted(Entry, frozen=True, tag="journal.redacted"):
+    """Stands in for an entry whose redaction left unreadable JSON (a secret with a quote)."""
+
+    original_type: str
+
+    def summary(self) -> str:
+        return f"{self.original_type}: redacted (a secret inside this entry)"
+
+
+AnyEntry = (
+    RunStarted
+    | RunCompleted
+    | RunFailed
+    | RunCancelled
+    | RunTimeout
+    | ProxyAllow
+    | ProxyDeny
+    | CredentialInjected
+    | TunnelOpened
+    | TunnelClosed
+    | ProxyNotice
+    | CommandExecuted
+    | KeeperDecision
+    | AllowlistChanged
+    | CredentialChanged
+    | CrewCreated
+    | CrewRemoved
+    | CrewFailed
+    | Redacted
+)
+
+ENTRY_TYPES: dict[str, type[Entry]] = {
+    str(t.__struct_config__.tag): t
+    for t in (
+        RunStarted,
+        RunCompleted,
+        RunFailed,
+        RunCancelled,
+        RunTimeout,
+        ProxyAllow,
+        ProxyDeny,
+        CredentialInjected,
+        TunnelOpened,
+        TunnelClosed,
+        ProxyNotice,
+        CommandExecuted,
+        KeeperDecision,
+        AllowlistChanged,
+        CredentialChanged,
+        CrewCreated,
+        CrewRemoved,
+        CrewFailed,
+        Redacted,
+    )
+}
+
+# Canonical encoding: struct fields in declaration order, the tag first; deterministic, so the
+# hash of an entry is a function of its content.
+encoder = msgspec.json.Encoder(order="deterministic")
+decoder: msgspec.json.Decoder[AnyEntry] = msgspec.json.Decoder(AnyEntry)
+
+
+def encode(entry: Entry) -> bytes:
+    return encoder.encode(entry)
+
+
+def decode(data: bytes | str) -> AnyEntry:
+    return decoder.decode(data)

@@ -1,0 +1,297 @@
+"""The journal as applianced uses it: trio-side recording, run lifecycle and proxy-event ingest.
+
+Theory of operation
+-------------------
+`JournalRecorder` is what the crew manager holds (`CrewManager.journal`); built without a
+journal it records nothing, so CrewManager works unchanged in tests that do not journal.
+
+- Control-plane changes (crew created/removed/failed, allowlist changed) wait for their
+  acknowledgment: the operator's command returns only once its record is on disk. If the queue
+  is full they wait for room (the control plane may wait; only the proxy must not).
+- `run()` wraps an exec's event stream: run.started before the first output, then exactly one of
+  run.completed / run.timeout / run.failed / run.cancelled, all sharing the run id as trace id.
+- `ingest_proxy_events()` follows the proxy's JSON-lines event file (the proxy writes it in
+  batches from its own task, never blocking a request) and turns each event into an entry. The
+  file is the buffer between the two processes: when the journal's queue is full the ingester
+  waits and reads on later, nothing is dropped. Its read position is stored in the journal in the
+  same transaction as the entries read, so a crash neither skips nor repeats an event. When the
+  backlog (file bytes not yet journaled) passes BACKLOG_HIGH, or the queue is full, it calls
+  `on_backpressure(True)`: applianced then tells the proxy to refuse crew traffic (503
+  audit_unavailable) until the backlog is under BACKLOG_LOW (`on_backpressure(False)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import trio
+
+from proxycore import events as pe
+
+from . import entries as E
+from .store import Journal, JournalFull
+
+log = logging.getLogger("applianced.journal")
+
+PROXY_SOURCE = "proxy-events"
+FULL_RETRY = 0.05
+# The proxy's traffic is refused while the unjournaled part of its event file is above HIGH
+# bytes (or the journal's queue is full), and served again once it is under LOW.
+BACKLOG_HIGH = 4 << 20
+BACKLOG_LOW = 1 << 20
+
+_PAST = {"grant": "granted", "revoke": "revoked", "rotate": "rotated"}
+
+Backpressure = Callable[[bool], Awaitable[None]]
+
+
+def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
+    """The journal entry for one of the proxy's events (proxycore/events.py)."""
+    crew = None if event.crew == "-" else event.crew
+    common: dict[str, Any] = {"ts": event.ts, "crew": crew}
+    if isinstance(event, pe.RequestAllowed):
+        return E.ProxyAllow(
+            mode=event.mode, route=event.route, method=event.method, host=event.host,
+            port=event.port, address=event.address, rule=event.rule, **common,
+        )  # fmt: skip
+    if isinstance(event, pe.RequestDenied):
+        return E.ProxyDeny(
+            mode=event.mode, route=event.route, method=event.method, host=event.host,
+            port=event.port, rule=event.rule, status=event.status, **common,
+        )  # fmt: skip
+    if isinstance(event, pe.CredentialInjected):
+        return E.CredentialInjected(provider=event.provider, host=event.host, **common)
+    if isinstance(event, pe.TunnelOpened):
+        return E.TunnelOpened(
+            tunnel_id=event.tunnel_id, host=event.host, port=event.port, address=event.address,
+            **common,
+        )  # fmt: skip
+    if isinstance(event, pe.TunnelClosed):
+        return E.TunnelClosed(
+            tunnel_id=event.tunnel_id, host=event.host, port=event.port,
+            bytes_up=event.bytes_up, bytes_down=event.bytes_down, duration=event.duration,
+            reason=event.reason, **common,
+        )  # fmt: skip
+    if isinstance(event, pe.AllowlistChanged):
+        return E.AllowlistChanged(host=event.host, added=event.added, source="proxy", **common)
+    if isinstance(event, pe.PolicyWarning):
+        return E.ProxyNotice(message=event.message, **common)
+    return E.ProxyNotice(message="the proxy dropped events", dropped=event.count, **common)
+
+
+class _CrewLike(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def allow(self) -> tuple[str, ...]: ...
+    @property
+    def runtime(self) -> str: ...
+
+
+def crew_created(row: _CrewLike) -> E.CrewCreated:
+    return E.CrewCreated(crew=row.name, mode=row.mode, allow=row.allow, runtime=row.runtime)
+
+
+class JournalRecorder:
+    def __init__(
+        self, journal: Journal | None = None, on_backpressure: Backpressure | None = None
+    ) -> None:
+        self.journal = journal
+        self.on_backpressure = on_backpressure
+        self.backpressure = False
+
+    async def _signal(self, paused: bool) -> None:
+        if paused == self.backpressure:
+            return
+        self.backpressure = paused
+        log.warning(
+            "journal %s: crew traffic %s",
+            "behind" if paused else "caught up",
+            "refused" if paused else "served again",
+        )
+        if self.on_backpressure is not None:
+            try:
+                await self.on_backpressure(paused)
+            except Exception as exc:  # the proxy is restarting: it gets the state on restore
+                log.error("could not tell the proxy audit_paused=%s: %s", paused, exc)
+
+    async def record(self, entry: E.Entry) -> int | None:
+        """Append and wait until it is on disk; waits for room if the queue is full."""
+        if self.journal is None:
+            return None
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+        while True:
+            try:
+                ticket = self.journal.submit(entry, on_done=lambda: token.run_sync_soon(done.set))
+                break
+            except JournalFull:
+                await trio.sleep(FULL_RETRY)
+        await done.wait()
+        return ticket.wait(0)
+
+    def record_nowait(self, entry: E.Entry) -> None:
+        """For paths that cannot wait (cancellation): queued, acknowledged later."""
+        if self.journal is None:
+            return
+        try:
+            self.journal.submit(entry)
+        except JournalFull:
+            log.error("journal full: could not record %s", type(entry).__struct_config__.tag)
+
+    # -- crews -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def crew_change(self, crew: str, created: E.Entry) -> AsyncIterator[None]:
+        """crew.created when the block succeeds, crew.failed (and the error re-raised) if not."""
+        try:
+            yield
+        except Exception as exc:
+            await self.record(E.CrewFailed(crew=crew, error=str(exc)))
+            raise
+        await self.record(created)
+
+    async def allowlist_changed(self, crew: str, host: str, changed: bool) -> None:
+        if changed:
+            await self.record(E.AllowlistChanged(crew=crew, host=host, source="admin"))
+
+    async def credential_changed(self, name: str, parts: list[str], provider: str) -> None:
+        """After a credential endpoint changed the store (`POST /v1/credentials[/NAME/ACTION]`);
+        names and provider only, never a value."""
+        action = "added" if len(parts) == 1 else _PAST.get(parts[-1], parts[-1])
+        await self.record(E.CredentialChanged(name=name, action=action, provider=provider))
+
+    # -- runs ------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        crew: str,
+        argv: tuple[str, ...],
+        timeout: float | None,
+        stream: AsyncIterator[Any],
+    ) -> AsyncIterator[Any]:
+        """The exec's events, passed through, with the run's lifecycle recorded around them."""
+        from appliance.runtime.base import ExecExited
+
+        scope: dict[str, Any] = {"crew": crew, "trace_id": uuid.uuid4().hex}
+        await self.record(E.RunStarted(argv=argv, timeout=timeout, **scope))
+        started = time.monotonic()
+        finished = False
+
+        def elapsed() -> float:
+            return round(time.monotonic() - started, 6)
+
+        try:
+            async for event in stream:
+                if isinstance(event, ExecExited):
+                    finished = True
+                    final: E.Entry = (
+                        E.RunTimeout(timeout=timeout, duration=elapsed(), **scope)
+                        if event.timed_out
+                        else E.RunCompleted(exit_code=event.exit_code, duration=elapsed(), **scope)
+                    )
+                    await self.record(final)
+                yield event
+        except (trio.Cancelled, GeneratorExit):
+            if not finished:
+                self.record_nowait(E.RunCancelled(duration=elapsed(), **scope))
+            raise
+        except Exception as exc:
+            if not finished:
+                with trio.CancelScope(shield=True):
+                    await self.record(E.RunFailed(error=str(exc), duration=elapsed(), **scope))
+            raise
+        finally:
+            aclose: Callable[[], Any] | None = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True):
+                    await aclose()
+        if not finished:
+            await self.record(
+                E.RunFailed(error="ended without an exit status", duration=elapsed(), **scope)
+            )
+
+    # -- the proxy's events ----------------------------------------------------------------
+
+    async def ingest_proxy_events(
+        self,
+        path: Path,
+        *,
+        interval: float = 0.1,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        journal = self.journal
+        if journal is None:
+            task_status.started()
+            await trio.sleep_forever()
+            return
+        assert journal is not None
+        position = await trio.to_thread.run_sync(journal.cursor, PROXY_SOURCE)
+        decoder = msgspec.json.Decoder(pe.AnyEvent)
+        task_status.started()
+        while True:
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                size = 0
+            if size < position:  # the file was replaced or truncated: start over
+                position = 0
+            if size > position:
+                before = position
+                position = await self._ingest_chunk(journal, path, position, decoder)
+                backlog = size - position
+                if backlog > BACKLOG_HIGH:
+                    await self._signal(True)
+                elif backlog < BACKLOG_LOW and journal.pending < journal.capacity // 2:
+                    await self._signal(False)
+                if backlog and position > before:
+                    continue  # more whole lines to read now
+            elif journal.pending < journal.capacity // 2:
+                await self._signal(False)
+            await trio.sleep(interval)
+
+    async def _ingest_chunk(
+        self,
+        journal: Journal,
+        path: Path,
+        position: int,
+        decoder: msgspec.json.Decoder[pe.AnyEvent],
+    ) -> int:
+        with open(path, "rb") as file:
+            file.seek(position)
+            data = file.read(1 << 20)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return position  # half a line: the rest is still being written
+        lines = data[: end + 1].splitlines(keepends=True)
+        offset = position
+        last: Any = None
+        for line in lines:
+            offset += len(line)
+            if not line.strip():
+                continue
+            try:
+                entry = from_proxy_event(decoder.decode(line))
+            except msgspec.DecodeError:
+                # The scrubber replaced a line whole, or a line is damaged: say so, never skip.
+                entry = E.ProxyNotice(message="an event line was redacted or unreadable")
+            while True:
+                try:
+                    last = journal.submit(entry, cursor=(PROXY_SOURCE, offset))
+                    break
+                except JournalFull:
+                    await self._signal(True)
+                    await trio.sleep(FULL_RETRY)
+        if last is not None:
+            await trio.to_thread.run_sync(last.wait, 30.0)
+        return offset
