@@ -10,11 +10,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trustme
 
 from appliance.demo_upstream import FakeServer, start_fake
+
+if TYPE_CHECKING:
+    from tests.daemon_support import Appliance
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDER_NAMES = ["api.anthropic.test", "api.openai.test", "generativelanguage.googleapis.test"]
@@ -88,6 +92,30 @@ def plain_host() -> Iterator[FakeServer]:
     fake = start_fake()
     yield fake
     fake.close()
+
+
+@pytest.fixture
+def appliance(
+    tmp_path: Path, provider: FakeServer, plain_host: FakeServer, ca_file: str
+) -> Iterator[Appliance]:
+    """A configured applianced (not started) with its own pool, table and name prefix, the
+    busybox test images and the fake providers; everything it made is removed afterwards."""
+    from tests.daemon_support import (
+        busybox_images,
+        needs_root_and_docker,
+        new_appliance,
+        remove_volumes,
+    )
+
+    needs_root_and_docker()
+    agent, infra = busybox_images()
+    app = new_appliance(tmp_path, provider.port, plain_host.port, ca_file)
+    app.write_config(agent, infra)
+    try:
+        yield app
+    finally:
+        app.cleanup()
+        remove_volumes(app.name_prefix)
 
 
 @dataclass

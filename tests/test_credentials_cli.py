@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,6 @@ from appliance.demo_upstream import FakeServer
 from tests.conftest import REAL_KEYS, ROOT, proxy_env
 from tests.daemon_support import (
     Appliance,
-    busybox_images,
-    needs_root_and_docker,
-    new_appliance,
-    remove_volumes,
 )
 
 pytestmark = pytest.mark.docker
@@ -33,21 +28,6 @@ KEY_TWO = "sk-ant-api03-STORE-cli-two-fedcba9876543210"
 OPENAI_KEY = "sk-proj-STORE-from-file-0123456789"
 STORE_KEY = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
 VALUES = (KEY_ONE, KEY_TWO, OPENAI_KEY)
-
-
-@pytest.fixture
-def appliance(
-    tmp_path: Path, provider: FakeServer, plain_host: FakeServer, ca_file: str
-) -> Iterator[Appliance]:
-    needs_root_and_docker()
-    agent, infra = busybox_images()
-    app = new_appliance(tmp_path, provider.port, plain_host.port, ca_file)
-    app.write_config(agent, infra)
-    try:
-        yield app
-    finally:
-        app.cleanup()
-        remove_volumes(app.name_prefix)
 
 
 def ctl_stdin(app: Appliance, stdin: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -9,8 +9,6 @@ import json
 import signal
 import socket
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,28 +17,9 @@ from appliance.runtime.base import AGENT_KEY_PLACEHOLDER, AGENT_KEY_VARIABLES
 from tests.conftest import REAL_KEYS
 from tests.daemon_support import (
     Appliance,
-    busybox_images,
-    needs_root_and_docker,
-    new_appliance,
-    remove_volumes,
 )
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture
-def appliance(
-    tmp_path: Path, provider: FakeServer, plain_host: FakeServer, ca_file: str
-) -> Iterator[Appliance]:
-    needs_root_and_docker()
-    agent, infra = busybox_images()
-    app = new_appliance(tmp_path, provider.port, plain_host.port, ca_file)
-    app.write_config(agent, infra)
-    try:
-        yield app
-    finally:
-        app.cleanup()
-        remove_volumes(app.name_prefix)
 
 
 class HostListener:

@@ -8,36 +8,17 @@ from __future__ import annotations
 import signal
 import sqlite3
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from appliance.demo_upstream import FakeServer
 from netns.addressing import chain_name, interface_name
 from tests.daemon_support import (
     Appliance,
     busybox_images,
-    needs_root_and_docker,
-    new_appliance,
-    remove_volumes,
 )
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture
-def appliance(
-    tmp_path: Path, provider: FakeServer, plain_host: FakeServer, ca_file: str
-) -> Iterator[Appliance]:
-    needs_root_and_docker()
-    app = new_appliance(tmp_path, provider.port, plain_host.port, ca_file)
-    try:
-        yield app
-    finally:
-        app.cleanup()
-        remove_volumes(app.name_prefix)
 
 
 def _configure(app: Appliance, pool: int, **daemon: Any) -> None:

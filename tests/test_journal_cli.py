@@ -8,8 +8,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,28 +15,9 @@ from appliance.demo_upstream import FakeServer
 from tests.conftest import ROOT, proxy_env
 from tests.daemon_support import (
     Appliance,
-    busybox_images,
-    needs_root_and_docker,
-    new_appliance,
-    remove_volumes,
 )
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture
-def appliance(
-    tmp_path: Path, provider: FakeServer, plain_host: FakeServer, ca_file: str
-) -> Iterator[Appliance]:
-    needs_root_and_docker()
-    agent, infra = busybox_images()
-    app = new_appliance(tmp_path, provider.port, plain_host.port, ca_file)
-    app.write_config(agent, infra)
-    try:
-        yield app
-    finally:
-        app.cleanup()
-        remove_volumes(app.name_prefix)
 
 
 def entries(app: Appliance, *args: str) -> list[dict[str, object]]:
