@@ -85,6 +85,7 @@ from .errors import (
     ImageMissing,
     InvalidSpec,
     RuntimeUnavailable,
+    check_exec_arguments,
 )
 from .mounts import check_mounts
 from .streams import LineSplitter
@@ -387,10 +388,7 @@ class DockerProvider:
         env: dict[str, str] | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[ExecOutput | ExecExited]:
-        if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
-            raise InvalidSpec("argv", "must be a non-empty list of strings without NUL")
-        if timeout is not None and not timeout > 0:
-            raise InvalidSpec("timeout", "must be a positive number of seconds")
+        check_exec_arguments(argv, timeout)
         for key in env or {}:
             if not key or "=" in key or key == EXEC_MARKER:
                 raise InvalidSpec("env", f"bad variable name {key!r}")

@@ -75,6 +75,14 @@ class InvalidSpec(RuntimeProviderError):
         super().__init__(f"crew spec `{field}`: {why}")
 
 
+def check_exec_arguments(argv: list[str], timeout: float | None) -> None:
+    """What every provider's `exec` refuses before running anything."""
+    if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+        raise InvalidSpec("argv", "must be a non-empty list of strings without NUL")
+    if timeout is not None and not timeout > 0:
+        raise InvalidSpec("timeout", "must be a positive number of seconds")
+
+
 class UnsafeMount(RuntimeProviderError):
     """A mount was refused before anything was created.
 

@@ -40,7 +40,7 @@ from netns.addressing import check_crew_id
 from netns.errors import NetConfigError
 
 from .base import ContainerRole, CrewSpec, ExecExited, ExecOutput, OwnedContainer, Pod
-from .errors import CrewContainerError, InvalidSpec
+from .errors import CrewContainerError, InvalidSpec, check_exec_arguments
 from .streams import LineSplitter
 
 log = logging.getLogger(__name__)
@@ -112,10 +112,7 @@ class SubprocessProvider:
         env: dict[str, str] | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[ExecOutput | ExecExited]:
-        if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
-            raise InvalidSpec("argv", "must be a non-empty list of strings without NUL")
-        if timeout is not None and not timeout > 0:
-            raise InvalidSpec("timeout", "must be a positive number of seconds")
+        check_exec_arguments(argv, timeout)
         with self._lock:
             spec = self._crews.get(crew)
         if spec is None:
