@@ -173,3 +173,25 @@ def test_cred_commands_through_a_real_daemon(
     # A wrong key: a clear error at start, naming the store, never garbage.
     with pytest.raises(RuntimeError, match="does not open it"):
         app.start(env={"ENCRYPTION_KEY": "ff" * 32})
+
+
+def test_a_stored_value_typed_into_a_command_is_not_journaled(appliance: Appliance) -> None:
+    # A value with no known shape: only the store knows it is a secret. The journal's scrubber
+    # learns every stored value at start and after each change, so a command line that carries
+    # it (an operator pasting a password into `appliancectl run`) is written redacted.
+    app = appliance
+    app.start(env={"ENCRYPTION_KEY": STORE_KEY})
+    value = "plain-looking-db-password-0425"
+    added = ctl_stdin(app, value, "cred", "add", "dbpass", "--provider", "warehouse")
+    assert added.returncode == 0, added.stderr
+    crew = app.crew("jrnl")
+    code, created = app.ctl_json("crew", "create", crew)
+    assert code == 0, (created, app.log_text())
+    ran = app.ctl("run", crew, "--", "echo", f"connect --password {value}")
+    assert ran.returncode == 0, ran.stderr
+    exported = app.ctl("journal", "export", "--jsonl")
+    assert exported.returncode == 0, exported.stderr
+    assert "[REDACTED:dbpass]" in exported.stdout and value not in exported.stdout
+    for suffix in ("", "-wal"):
+        path = app.state_dir / f"journal.db{suffix}"
+        assert not path.exists() or value.encode() not in path.read_bytes()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from appliance.credstore import CredentialStore, CredStoreError, SecretValue
+from native.scrub import Scrubber
 
 from . import messages
 from .errors import DaemonError, Unavailable
@@ -60,15 +61,37 @@ def proxy_map(store: CredentialStore) -> dict[str, dict[str, str]]:
                 value.wipe()
 
 
+def stored_scrubber(store: CredentialStore) -> Scrubber:
+    """A scrubber that knows every value in the store (and the default shapes): for what
+    applianced writes itself, the journal first (a command line an operator typed a key into)."""
+    secrets: list[tuple[str, bytes]] = []
+    for info in store.list():
+        value = store.value(info.name)
+        try:
+            secrets.append((info.name, value.reveal()))
+        finally:
+            value.wipe()
+    return Scrubber(secrets)
+
+
 class CredentialsApi:
     def __init__(self, store: CredentialStore, proxy: ProxyChild) -> None:
         self.store = store
         self.proxy = proxy
+        # Where the store's values must be scrubbed too (the journal): given a fresh scrubber
+        # at start and after every change.
+        self.scrubbed: list[Any] = []
 
     def source(self) -> dict[str, dict[str, str]]:
         return proxy_map(self.store)
 
+    def refresh_scrubbers(self) -> None:
+        scrubber = stored_scrubber(self.store)
+        for holder in self.scrubbed:
+            holder.scrubber = scrubber  # one attribute store: readers see the old or the new
+
     async def push(self, name: str) -> None:
+        self.refresh_scrubbers()
         try:
             await self.proxy.set_credentials(self.source())
         except Unavailable as exc:
@@ -96,6 +119,7 @@ class CredentialsApi:
             add = _decode(body, messages.AddCredential)
             with SecretValue(add.value) as value:
                 info = store.add(add.name, add.provider, value, level=add.level, kind=add.kind)
+            self.refresh_scrubbers()  # granted or not, the journal must not show it
             log.info(
                 "credential %s added (provider %s, level %s)", info.name, info.provider, info.level
             )

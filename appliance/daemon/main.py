@@ -172,6 +172,9 @@ class Daemon:
             self.proxy = ProxyChild(proxy_config, self.state_dir, self.config.daemon.proxy_port)
             self.credentials_api = CredentialsApi(credentials, self.proxy)
             self.proxy.credentials_source = self.credentials_api.source
+            self.credentials_api.scrubbed.append(journal)
+            # (on this thread: the store's SQLite connection belongs to it; a few ms)
+            self.credentials_api.refresh_scrubbers()
             images = await trio.to_thread.run_sync(resolve_images, self.config)
             self.crews = CrewManager(
                 self.config,
