@@ -7,10 +7,10 @@ BIN := $(VENV)/bin
 FUZZ_RUNS ?= 20000
 FUZZ_RUNS_SLOW ?= 800
 # The scrubber's harnesses run the Python reference on every input (~150 inputs a second).
-FUZZ_RUNS_SCRUB ?= 8000
+FUZZ_RUNS_SCRUB ?= 5000
 # The scrubber's differential harness runs the Python reference on every input, about 30 inputs a
 # second under the sanitizers (Python's allocations go through ASan's): fewer runs there.
-FUZZ_RUNS_SANITIZE_SCRUB ?= 2000
+FUZZ_RUNS_SANITIZE_SCRUB ?= 1000
 
 NATIVE_SRC := $(wildcard native/src/*.c native/src/*.h) native/_build_headscan.py \
 	native/_build_scrub.py
