@@ -334,7 +334,7 @@ def _socket_path(args: argparse.Namespace) -> str:
             return str(_daemon_config(args).daemon.admin_socket)
         except Exception:  # noqa: S110 (the default below is as good an answer)
             pass
-    from appliance.daemon.config import DEFAULT_ADMIN_SOCKET
+    from appliance.daemon.client import DEFAULT_ADMIN_SOCKET
 
     return DEFAULT_ADMIN_SOCKET
 

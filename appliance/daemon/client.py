@@ -18,6 +18,8 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+DEFAULT_ADMIN_SOCKET = "/run/agent-appliance/admin.sock"
+
 _MAX_HEAD = 64 * 1024  # status line and headers together
 _MAX_LINE = 8 * 1024 * 1024  # one chunk-size line, one streamed output line
 _MAX_BODY = 64 * 1024 * 1024  # a whole JSON answer (`crew ls` of many crews is far less)

@@ -36,10 +36,11 @@ from proxycore.config import (
 )
 from proxycore.errors import ConfigError
 
+from .client import DEFAULT_ADMIN_SOCKET  # defined there: appliancectl imports only the client
 from .errors import ConfigInvalid
 
 DEFAULT_STATE_DIR = "/var/lib/agent-appliance"
-DEFAULT_ADMIN_SOCKET = "/run/agent-appliance/admin.sock"
+
 MIB = 1024 * 1024
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
