@@ -91,6 +91,15 @@ def env_name(credential: str) -> str:
     return name if name[:1].isalpha() else "CREDENTIAL_" + name
 
 
+def _credential_named(body: bytes) -> str:
+    try:
+        fields = msgspec.json.decode(body[:MAX_BODY_BYTES])
+    except msgspec.DecodeError:
+        return ""
+    name = fields.get("credential") if isinstance(fields, dict) else None
+    return name[:64] if isinstance(name, str) else ""
+
+
 class KeeperService:
     def __init__(
         self,
@@ -119,6 +128,17 @@ class KeeperService:
             elif request.command is not None:
                 raise KeeperRefused("a request takes no command", rule="unexpected_command")
         except KeeperRefused as exc:
+            # A refusal is a decision too: journaled, naming what the body named (if anything).
+            named = _credential_named(body)
+            await self.recorder.record(
+                E.KeeperDecision(
+                    crew=crew,
+                    action=action.value,
+                    credential=named,
+                    decision=Decision.DENY.value,
+                    reason=f"{exc} (refused: {exc.rule})",
+                )
+            )
             return 400, Answer("deny", str(exc), error=exc.rule)
         level = self._level(request.credential, crew, request.agent)
         if level is None:
