@@ -60,8 +60,11 @@ class Decision(enum.Enum):
     DENY = "deny"
 
 
-class GatekeeperConfig(msgspec.Struct, frozen=True):
-    """Which model to ask, where, and for how long. `model=None`: every query is DENY."""
+class GatekeeperConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which model to ask, where, and for how long (`[keeper]` of applianced's config).
+
+    `model=None` (the default): every query the fast path does not allow is DENY.
+    """
 
     model: str | None = None
     url: str = DEFAULT_URL
