@@ -11,11 +11,15 @@ Invariants, checked on every input:
   (and every "$(" in an argv word) is accounted for by the single-quoted segments;
 - accepting is deterministic (the same text twice gives the same argv or the same rule);
 - the fast path allows only `request` of an L1 credential with an intent that has at least 10
-  non-whitespace and 3 distinct non-whitespace characters by str.split's reading.
+  non-whitespace and 3 distinct non-whitespace characters by str.split's reading;
+- the gatekeeper's answer reading (appliance/keeper/gatekeeper.py) never raises, on the model's
+  content and on whole HTTP replies fed in one piece or byte by byte (same verdict both ways);
+  it allows only when the stdlib reads a JSON object whose "decision" is ALLOW in ASCII.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -23,6 +27,7 @@ from pathlib import Path
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from appliance.keeper.gatekeeper import AnswerReader, verdict_from_content
 from proxycore.keeper import (
     COMMAND_SUBSTITUTION,
     MAX_FIELD_LENGTH,
@@ -89,6 +94,11 @@ SEEDS: tuple[bytes, ...] = (
     b"\x01 \t " + "\u3000".encode(),
     b"\x01\xe2\x80\x8b\xe2\x80\x8b\xe2\x80\x8b",
     b"\x02" + b"x" * 4097,
+    b'\x00{"decision": "ALLOW", "reason": "ok", "risk": "low"}',
+    b'\x00{"decision": " allow\\n", "reason": "", "risk": 1}',
+    b'\x00{"decision": "DENY", "decision": "ALLOW", "reason": "", "risk": ""}',
+    b"\x00HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    b"\x00HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{}\n\r\n0\r\n\r\n",
 )
 
 
@@ -186,6 +196,23 @@ def _check_intent(text: str) -> None:
                 _require(len(set(content)) >= 3, f"fast path allowed filler {text!r}")
 
 
+def _check_answer(text: str, body: bytes) -> None:
+    verdict = verdict_from_content(text)
+    if verdict.allowed:
+        parsed = json.loads(text)
+        _require(isinstance(parsed, dict), f"{text!r} allowed but not an object")
+        word = parsed["decision"].strip()
+        _require(word.isascii() and word.lower() == "allow", f"{text!r} allowed")
+    readers = (AnswerReader(), AnswerReader())
+    readers[0].receive_data(body)
+    readers[0].receive_data(b"")
+    step = 1 if len(body) <= 512 else 7  # byte by byte costs one h11 pass per byte
+    for start in range(0, len(body), step):
+        readers[1].receive_data(body[start : start + step])
+    readers[1].receive_data(b"")
+    _require(readers[0].verdict == readers[1].verdict, "the verdict depends on the split")
+
+
 def TestOneInput(data: bytes) -> None:
     if not data:
         return
@@ -193,6 +220,7 @@ def TestOneInput(data: bytes) -> None:
     text = _decode(selector, body)
     _check_command(text)
     _check_intent(text)
+    _check_answer(text, body)
     # Non-string input is refused, not crashed on (JSON bodies can carry any type).
     for value in (body, None, len(body), [text]):
         for check in (parse_command, check_intent):
