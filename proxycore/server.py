@@ -855,6 +855,10 @@ class ClientConnection:
                 Refusal(error="keeper_unavailable", message="the keeper is not connected yet"),
                 close=close,
             )
+        # The read deadline of the body must not cut the decision short (a model round-trip and
+        # an execute's 120 s): forward_to_keeper bounds the wait itself, and answers 503.
+        self.phase = Phase.UPSTREAM
+        self.deadline = math.inf
         try:
             status, answer = await forward_to_keeper(
                 channel.path, channel.token, action.value, self.crew.name, body

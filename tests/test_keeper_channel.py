@@ -26,7 +26,7 @@ from appliance.runtime.subprocess_provider import SubprocessProvider
 from proxycore import control
 from proxycore.keeper_client import KeeperUnavailable, forward_to_keeper
 from tests.conftest import free_port, proxy_env, write_proxy_config
-from tests.fake_ollama import MODEL, Content, FakeOllama, running_fake_ollama
+from tests.fake_ollama import MODEL, Content, FakeOllama, Slow, running_fake_ollama
 from tests.test_daemon_proxy_channel import curl, listening, request
 
 KEY = bytes(range(32))
@@ -54,7 +54,12 @@ class Proxy:
     def __init__(self, tmp_path: Path, ca_file: str) -> None:
         self.port = free_port()
         config, _, _ = write_proxy_config(
-            tmp_path, port=self.port, provider_port=free_port(), ca_file=ca_file
+            tmp_path,
+            port=self.port,
+            provider_port=free_port(),
+            ca_file=ca_file,
+            # Shorter than a slow model's answer: the decision is not cut by the read deadline.
+            extra="[limits]\nread_timeout = 1.0\nhead_timeout = 1.0\n",
         )
         self.channel, theirs = socket.socketpair()
         self.process = subprocess.Popen(
@@ -102,6 +107,23 @@ async def agent(gateway: str, port: int, route: str, fields: dict[str, object]) 
     )
     body, _, code = done.stdout.rpartition("\n")
     return int(code), json.loads(body) if body else {}
+
+
+async def slow_body(gateway: str, port: int, route: str, fields: dict[str, object]) -> bytes:
+    body = json.dumps(fields).encode()
+    stream = await trio.open_tcp_stream(gateway, port)
+    async with stream:
+        await stream.send_all(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % (route.encode(), len(body))
+        )
+        await trio.sleep(0.3)
+        await stream.send_all(body)
+        answer = b""
+        with trio.fail_after(20):
+            while data := await stream.receive_some(65536):
+                answer += data
+    return answer
 
 
 async def test_keeper_through_the_proxy(tmp_path: Path, ollama: FakeOllama, ca_file: str) -> None:
@@ -189,6 +211,18 @@ async def test_keeper_through_the_proxy(tmp_path: Path, ollama: FakeOllama, ca_f
             )
             assert status == 200 and answer["exit_code"] == 0, answer
             assert VALUE not in json.dumps(answer) and answer["stdout"].startswith("token=")
+            # ...a model slower than the proxy's read deadline still decides.
+            ollama.behaviour = lambda _: Slow(
+                2.0, Content('{"decision":"ALLOW","reason":"","risk":""}')
+            )
+            # (The body arrives after the head: the proxy waited for it under its 1 s deadline.)
+            raw = await slow_body(
+                ALPHA,
+                proxy.port,
+                "/keeper/execute",
+                {"credential": "github-token", "intent": INTENT, "command": "true"},
+            )
+            assert raw.startswith(b"HTTP/1.1 200 "), raw
             # ...denied by the model: nothing runs.
             ollama.behaviour = lambda _: Content('{"decision":"DENY","reason":"no","risk":"high"}')
             status, answer = await agent(
@@ -213,4 +247,4 @@ async def test_keeper_through_the_proxy(tmp_path: Path, ollama: FakeOllama, ca_f
         journal.close()
         store.close()
     types = [r.type for r in Journal(tmp_path / "journal.db").tail(50)]
-    assert types.count("keeper.decision") == 5 and types.count("command.executed") == 1
+    assert types.count("keeper.decision") == 6 and types.count("command.executed") == 2
