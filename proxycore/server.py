@@ -55,6 +55,7 @@ from .events import (
     CredentialInjected,
     EventSink,
     JsonLinesSink,
+    KeeperCallRefused,
     PolicyWarning,
     RequestAllowed,
     RequestDenied,
@@ -834,6 +835,7 @@ class ClientConnection:
                 raise self._too_large()
             reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
             body = await self.read_body_whole(reader, KEEPER_BODY_BYTES)
+        fields: object = None
         try:
             fields = msgspec.json.decode(body)
             if not isinstance(fields, dict):
@@ -843,6 +845,15 @@ class ClientConnection:
                 parse_command(fields.get("command"))
         except (KeeperRefused, msgspec.DecodeError) as exc:
             rule = exc.rule if isinstance(exc, KeeperRefused) else "bad_body"
+            named = fields.get("credential") if isinstance(fields, dict) else None
+            self.runtime.sink.emit(
+                KeeperCallRefused(
+                    crew=self.crew.name,
+                    action=action.value,
+                    credential=named[:64] if isinstance(named, str) else "",
+                    rule=rule,
+                )
+            )
             raise _Refused(
                 400,
                 Refusal(error=rule, message=f"keeper: {exc}", crew=self.crew.name),

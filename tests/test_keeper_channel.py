@@ -198,6 +198,17 @@ async def test_keeper_through_the_proxy(tmp_path: Path, ollama: FakeOllama, ca_f
                 {"credential": "github-token", "intent": INTENT, "command": "env; id"},
             )
             assert (status, answer["error"]) == (400, "shell_metacharacter")
+            # (applianced journals it from the proxy's events: docs/keeper.md)
+            events = tmp_path / "events.jsonl"
+            with trio.fail_after(5):
+                while b"keeper_call_refused" not in events.read_bytes():
+                    await trio.sleep(0.05)
+            [refused] = [
+                json.loads(line)
+                for line in events.read_bytes().splitlines()
+                if b"keeper_call_refused" in line
+            ]
+            assert refused["crew"] == "alpha" and refused["rule"] == "shell_metacharacter"
             # ...allowed by the model: run, the value scrubbed from the output.
             status, answer = await agent(
                 ALPHA,

@@ -6,6 +6,7 @@ only, scrubs the output and journals every decision."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -85,9 +86,17 @@ def test_keeper_through_a_real_daemon(appliance: Appliance, ollama: FakeOllama) 
     )
     assert status == 400 and reply["error"] == "shell_metacharacter"
 
-    entries = tail(app.state_dir / "journal.db", 100, crew=crew)
-    decisions = [json.loads(e.payload)["decision"] for e in entries if e.type == "keeper.decision"]
-    assert decisions == ["allow", "allow", "deny"]
+    # The proxy's refusal reaches the journal through its event file (followed, not awaited).
+    deadline = time.monotonic() + 10
+    while True:
+        entries = tail(app.state_dir / "journal.db", 100, crew=crew)
+        decided = [json.loads(e.payload) for e in entries if e.type == "keeper.decision"]
+        if len(decided) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [d["decision"] for d in decided] == ["allow", "allow", "deny", "deny"]
+    assert decided[-1]["reason"] == "refused by the proxy: shell_metacharacter"
+    assert decided[-1]["credential"] == "gh"
     assert [e.type for e in entries].count("command.executed") == 1
     assert VALUE not in json.dumps([e.payload for e in entries])
     assert VALUE not in app.log_text()
