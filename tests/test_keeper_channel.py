@@ -252,10 +252,28 @@ async def test_keeper_through_the_proxy(tmp_path: Path, ollama: FakeOllama, ca_f
             keeper.peer_allowed = lambda pid, uid, gid: pid == os.getpid()
             status, body = await forward_to_keeper(str(path), "x" * 43, "request", "alpha", b"{}")
             assert status == 401 and b"value" not in body
+            # A peer that closes at once, or sends garbage, does not take the channel down.
+            for junk in (b"", b"\x00\x01garbage\r\n\r\n", b"POST /internal/keeper/request"):
+                conn = await trio.open_unix_socket(str(path))
+                async with conn:
+                    if junk:
+                        await conn.send_all(junk)
+                    await conn.send_eof()
+                    with trio.fail_after(5):
+                        while await conn.receive_some(65536):
+                            pass
+            status, body = await forward_to_keeper(
+                str(path),
+                token,
+                "request",
+                "alpha",
+                json.dumps({"credential": "github-token", "intent": INTENT}).encode(),
+            )
+            assert status == 200 and VALUE.encode() in body
             nursery.cancel_scope.cancel()
     finally:
         proxy.close()
         journal.close()
         store.close()
     types = [r.type for r in Journal(tmp_path / "journal.db").tail(50)]
-    assert types.count("keeper.decision") == 6 and types.count("command.executed") == 2
+    assert types.count("keeper.decision") == 7 and types.count("command.executed") == 2

@@ -109,6 +109,10 @@ class KeeperChannel:
                 status, answer = await self._exchange(stream)
             except (trio.BrokenResourceError, trio.TooSlowError, h11.ProtocolError, OSError):
                 return
+            except Exception:
+                # One bad call must not take the channel (and applianced's nursery) down.
+                log.exception("keeper channel: call failed")
+                status, answer = 500, Answer("deny", "the keeper failed", error="internal")
             with trio.move_on_after(READ_DEADLINE_SECONDS):
                 await stream.send_all(answer_bytes(status, answer))
 
@@ -132,7 +136,8 @@ class KeeperChannel:
                         return 413, Answer("deny", "body too large", error="too_long")
                 elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                     break
-        assert head is not None
+        if head is None:  # closed before a whole request head
+            return 400, Answer("deny", "no request", error="bad_request")
         target = head.target.decode("ascii", "replace")
         action = {
             "/internal/keeper/request": Action.REQUEST,

@@ -238,7 +238,6 @@ class KeeperService:
                 exited = item
         for name, stream in streams.items():
             output[name] += stream.flush()
-        del value
         await self.recorder.record(
             E.CommandExecuted(
                 crew=crew,
