@@ -89,6 +89,12 @@ def test_encoded_request_is_one_valid_http_request() -> None:
     assert isinstance(server.next_event(), h11.EndOfMessage)
 
 
+def test_ipv6_loopback_url_gives_a_bracketed_host_field() -> None:
+    config = GatekeeperConfig(model=MODEL, url="http://[::1]:11434")
+    assert config.validate().endpoint() == ("::1", 11434, "")
+    assert b"host: [::1]:11434\r\n" in encode_chat_request(config, QUERY).lower()
+
+
 @pytest.mark.parametrize(
     "config",
     [

@@ -149,7 +149,7 @@ def encode_chat_request(config: GatekeeperConfig, query: KeeperQuery) -> bytes:
         method="POST",
         target=f"{prefix}/api/chat",
         headers=[
-            ("Host", f"{host}:{port}"),
+            ("Host", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"),
             ("Content-Type", "application/json"),
             ("Content-Length", str(len(body))),
             ("Connection", "close"),
