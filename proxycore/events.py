@@ -84,6 +84,15 @@ class EventsDropped(Event, frozen=True, tag="events_dropped"):
     count: int
 
 
+class KeeperCallRefused(Event, frozen=True, tag="keeper_call_refused"):
+    """A keeper call the worker refused before forwarding it (proxycore/keeper.py's rules), so
+    that applianced journals it as a keeper decision too."""
+
+    action: str
+    credential: str  # as the body named it (truncated), "" if none
+    rule: str
+
+
 AnyEvent = (
     RequestAllowed
     | RequestDenied
@@ -93,6 +102,7 @@ AnyEvent = (
     | AllowlistChanged
     | PolicyWarning
     | EventsDropped
+    | KeeperCallRefused
 )
 
 

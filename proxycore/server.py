@@ -55,6 +55,7 @@ from .events import (
     CredentialInjected,
     EventSink,
     JsonLinesSink,
+    KeeperCallRefused,
     PolicyWarning,
     RequestAllowed,
     RequestDenied,
@@ -62,6 +63,8 @@ from .events import (
     TunnelOpened,
 )
 from .fastio import ByteStream, PlainStream
+from .keeper import Action, KeeperRefused, check_intent, parse_command
+from .keeper_client import KeeperUnavailable, forward_to_keeper
 from .policy import (
     Allowlist,
     EgressDecision,
@@ -71,7 +74,7 @@ from .policy import (
     parse_authority,
     parse_mode,
 )
-from .refusals import Refusal, local_json, refusal
+from .refusals import Refusal, json_response, local_json, refusal
 from .scrubbing import (
     IDENTITY,
     ScrubberHolder,
@@ -95,6 +98,9 @@ MEMO_SIZE = 4096
 REAP_INTERVAL = 0.25
 LINGER_BYTES = 256 * 1024
 LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
+# The keeper's routes of the local API (docs/keeper.md), forwarded to applianced.
+KEEPER_PATHS = {b"/keeper/request": Action.REQUEST, b"/keeper/execute": Action.EXECUTE}
+KEEPER_BODY_BYTES = 16 * 1024
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the rule named when the journal is behind
 # Response bodies up to this size are read whole before relaying, so they keep a Content-Length
 # after scrubbing; larger ones (and chunked, and SSE) stream through the scrubber.
@@ -137,6 +143,8 @@ class ProxyRuntime:
         self.sink = sink
         # Set by the control plane when its journal is behind (control.AuditPaused).
         self.audit_paused = False
+        # Where applianced's keeper listens and the token to present (control.KeeperChannelSet).
+        self.keeper_channel: control.KeeperChannelSet | None = None
         limits = config.limits
         self.limits = limits
         self.http_limits = http1.Limits(
@@ -343,6 +351,10 @@ class ProxyRuntime:
         if isinstance(message, control.AuditPaused):
             changed = message.paused != self.audit_paused
             self.audit_paused = message.paused
+            return control.ControlReply(ok=True, changed=changed)
+        if isinstance(message, control.KeeperChannelSet):
+            changed = message != self.keeper_channel
+            self.keeper_channel = message
             return control.ControlReply(ok=True, changed=changed)
         crew = self.crew_named(message.crew)
         if crew is None:
@@ -768,6 +780,8 @@ class ClientConnection:
     async def serve_origin_form(self, head: http1.RequestHead) -> bool:
         target = head.target
         path = target.split(b"?", 1)[0]
+        if path in KEEPER_PATHS:
+            return await self.serve_keeper(head, path)
         if path in LOCAL_PATHS:
             if head.body_kind is not http1.BodyKind.NONE:
                 reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
@@ -799,6 +813,73 @@ class ClientConnection:
         return await self.exchange(
             head, "reverse", route.host, route.port, True, upstream_target, route
         )
+
+    async def serve_keeper(self, head: http1.RequestHead, path: bytes) -> bool:
+        """`POST /keeper/request|execute`: checked here, decided by applianced (docs/keeper.md).
+
+        The crew is this connection's (its gateway), whatever the body says. The answer is not
+        scrubbed here: a granted `request` must deliver the value, and applianced has already
+        scrubbed an `execute`'s output.
+        """
+        close = not head.keep_alive
+        action = KEEPER_PATHS[path]
+        if head.method != b"POST":
+            raise _Refused(
+                405,
+                Refusal(error="method_not_allowed", message="the keeper takes POST only"),
+                close=close,
+            )
+        body = b""
+        if head.body_kind is not http1.BodyKind.NONE:
+            if head.body_kind is http1.BodyKind.LENGTH and head.content_length > KEEPER_BODY_BYTES:
+                raise self._too_large()
+            reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
+            body = await self.read_body_whole(reader, KEEPER_BODY_BYTES)
+        fields: object = None
+        try:
+            fields = msgspec.json.decode(body)
+            if not isinstance(fields, dict):
+                raise KeeperRefused("the body must be a JSON object", rule="bad_body")
+            check_intent(fields.get("intent"))
+            if action is Action.EXECUTE:
+                parse_command(fields.get("command"))
+        except (KeeperRefused, msgspec.DecodeError) as exc:
+            rule = exc.rule if isinstance(exc, KeeperRefused) else "bad_body"
+            named = fields.get("credential") if isinstance(fields, dict) else None
+            self.runtime.sink.emit(
+                KeeperCallRefused(
+                    crew=self.crew.name,
+                    action=action.value,
+                    credential=named[:64] if isinstance(named, str) else "",
+                    rule=rule,
+                )
+            )
+            raise _Refused(
+                400,
+                Refusal(error=rule, message=f"keeper: {exc}", crew=self.crew.name),
+                close=close,
+            ) from None
+        channel = self.runtime.keeper_channel
+        if channel is None:
+            raise _Refused(
+                503,
+                Refusal(error="keeper_unavailable", message="the keeper is not connected yet"),
+                close=close,
+            )
+        # The read deadline of the body must not cut the decision short (a model round-trip and
+        # an execute's 120 s): forward_to_keeper bounds the wait itself, and answers 503.
+        self.phase = Phase.UPSTREAM
+        self.deadline = math.inf
+        try:
+            status, answer = await forward_to_keeper(
+                channel.path, channel.token, action.value, self.crew.name, body
+            )
+        except KeeperUnavailable as exc:
+            raise _Refused(
+                503, Refusal(error="keeper_unavailable", message=str(exc)), close=close
+            ) from None
+        await self.stream.send_all(json_response(status, answer, close=close))
+        return not close
 
     async def exchange(
         self,

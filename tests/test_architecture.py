@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SANS_IO = ["http1", "policy", "ssrf", "credentials", "refusals", "control", "config", "errors"]
+SANS_IO = [
+    "http1",
+    "policy",
+    "ssrf",
+    "credentials",
+    "refusals",
+    "control",
+    "config",
+    "errors",
+    "keeper",
+]
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -23,6 +23,7 @@ from typing import Annotated
 
 import msgspec
 
+from appliance.keeper.gatekeeper import GatekeeperConfig, GatekeeperConfigError
 from netns import NetConfig, NetnsError, validate_config
 from proxycore.config import (
     DEFAULT_PORT,
@@ -109,6 +110,8 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     net: NetConfig = NetConfig()
     proxy: ProxySection = ProxySection()
     credentials: CredentialsSection = CredentialsSection()
+    # The keeper's gatekeeper model (docs/keeper.md): model, url, timeout_seconds.
+    keeper: GatekeeperConfig = GatekeeperConfig()
 
     @property
     def max_cpus(self) -> float:
@@ -177,6 +180,10 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
         validate_config(config.net_config())
     except NetnsError as exc:
         raise fail("net", str(exc)) from None
+    try:
+        config.keeper.validate()
+    except GatekeeperConfigError as exc:
+        raise ConfigInvalid(f"{source}: {exc}") from None
     try:
         validate(config.proxy_config(), source=f"{source} [proxy]")
     except ConfigError as exc:

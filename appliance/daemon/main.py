@@ -36,8 +36,11 @@ from appliance.credstore import CredentialStore, load_key
 from appliance.hardening import forbid_core_dumps
 from appliance.journal import Journal
 from appliance.journal.recorder import JournalRecorder
+from appliance.keeper.channel import KeeperChannel, new_token
+from appliance.keeper.service import KeeperService
 from appliance.runtime.base import RuntimeProvider
 from netns import CrewNetworks
+from proxycore import control
 
 from . import messages
 from .api import AdminServer
@@ -54,6 +57,9 @@ LOCK_FILE = "applianced.lock"
 JOURNAL_FILE = "journal.db"
 # The proxy child writes its decisions here (proxycore/events.py); applianced journals them.
 PROXY_EVENTS_FILE = "proxy-events.jsonl"
+# applianced's keeper (appliance/keeper/channel.py): only the proxy child may connect.
+KEEPER_SOCKET = "keeper.sock"
+KEEPER_RECENT_ENTRIES = 20
 
 
 def load_provider(config: ApplianceConfig) -> RuntimeProvider:
@@ -186,7 +192,26 @@ class Daemon:
                 on_step=self.on_step,
             )
             self.crews.journal = recorder
+            keeper = KeeperChannel(
+                KeeperService(
+                    credentials,
+                    self.config.keeper,
+                    recorder,
+                    self.provider,
+                    recent_activity=lambda crew: tuple(
+                        row.summary for row in journal.tail(KEEPER_RECENT_ENTRIES, crew=crew)
+                    ),
+                ),
+                self.state_dir / KEEPER_SOCKET,
+                new_token(),  # fresh at every start; only the proxy child learns it
+                # SO_PEERCRED: the proxy child and nobody else (not even another root process).
+                lambda pid, uid, gid: pid == self.proxy.pid,
+            )
+            self.proxy.keeper_channel = control.KeeperChannelSet(
+                path=str(keeper.path), token=keeper.token
+            )
             async with trio.open_nursery() as nursery:
+                await nursery.start(keeper.serve)
                 await nursery.start(recorder.ingest_proxy_events, events_path)
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())

@@ -60,6 +60,9 @@ class ProxyChild:
         # The crews' provider credentials, asked for afresh at every (re)start of the proxy
         # (appliance/daemon/credentials.py): applianced keeps no plaintext between pushes.
         self.credentials_source: Callable[[], dict[str, dict[str, str]]] | None = None
+        # Where applianced's keeper listens, and its token (appliance/keeper/channel.py):
+        # sent at every (re)start, so a restarted proxy forwards keeper calls again.
+        self.keeper_channel: control.KeeperChannelSet | None = None
 
     @property
     def pid(self) -> int | None:
@@ -111,6 +114,10 @@ class ProxyChild:
                     if not reply.ok:
                         # Fail closed: a proxy without the crews' keys must not serve them.
                         raise OSError(f"the proxy refused the credentials: {reply.error}")
+                if self.keeper_channel is not None:
+                    reply = await client.request(self.keeper_channel)
+                    if not reply.ok:
+                        raise OSError(f"the proxy refused the keeper channel: {reply.error}")
             except (trio.TooSlowError, trio.BrokenResourceError, OSError) as exc:
                 log.error("proxy did not come up: %s", exc)
                 process.kill()

@@ -84,6 +84,11 @@ def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
         return E.AllowlistChanged(host=event.host, added=event.added, source="proxy", **common)
     if isinstance(event, pe.PolicyWarning):
         return E.ProxyNotice(message=event.message, **common)
+    if isinstance(event, pe.KeeperCallRefused):
+        return E.KeeperDecision(
+            action=event.action, credential=event.credential, decision="deny",
+            reason=f"refused by the proxy: {event.rule}", **common,
+        )  # fmt: skip
     return E.ProxyNotice(message="the proxy dropped events", dropped=event.count, **common)
 
 

@@ -1,0 +1,1 @@
+"""The keeper's decision side in applianced: the gatekeeper model client (docs/keeper.md)."""

@@ -1,0 +1,258 @@
+"""The keeper in applianced: validate again, decide, journal, then deliver or execute.
+
+Theory of operation
+-------------------
+The proxy worker forwards `POST /keeper/request` and `POST /keeper/execute` here with the crew
+taken from the gateway the agent's connection arrived on (never from the body). applianced does
+not trust the worker's checks (defence in depth, as the source documents say), so `handle`:
+
+1. decodes the body (`KeeperBody`, unknown fields refused) and re-runs proxycore.keeper's rules:
+   intent (empty/whitespace refused), and for execute the command check and the argv split;
+2. looks the credential up *for this crew and agent*: an ungranted, revoked or unknown
+   credential gets the same answer (a crew learns nothing of others' credentials);
+3. decides: the L1 fast path (request only), else the gatekeeper model with the crew's recent
+   journal entries; every failure of the model is DENY (appliance/keeper/gatekeeper.py);
+4. journals `keeper.decision` (acknowledged on disk before the agent hears the answer);
+5. on ALLOW: `request` returns the value; `execute` runs the argv through the runtime provider's
+   exec in the crew's agent container with the value only in that command's environment (as
+   `env_name(credential)`), passes stdout and stderr through a scrubber that holds the value,
+   journals `command.executed`, and returns the scrubbed output.
+
+Nothing here caches a decision; each call is decided afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import trio
+
+from appliance.credstore import CredentialStore, CredStoreError
+from appliance.journal import entries as E
+from appliance.journal.recorder import JournalRecorder
+from appliance.keeper.gatekeeper import (
+    Decision,
+    GatekeeperConfig,
+    KeeperQuery,
+    Verdict,
+)
+from appliance.keeper.ollama import ask_gatekeeper
+from appliance.runtime.base import ExecExited, ExecOutput, RuntimeProvider
+from native.scrub import Scrubber
+from proxycore.keeper import (
+    Action,
+    KeeperRefused,
+    Level,
+    check_intent,
+    fast_path_allows,
+    parse_command,
+)
+
+log = logging.getLogger("applianced.keeper")
+
+MAX_BODY_BYTES = 16 * 1024
+EXEC_TIMEOUT_SECONDS = 120.0
+MAX_OUTPUT_BYTES = 1 << 20
+RECENT_ACTIVITY = 20
+_NAME_TO_ENV = re.compile(r"[^A-Z0-9]")
+
+
+class KeeperBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    credential: str
+    intent: str
+    command: str | None = None  # execute only
+    agent: str | None = None
+
+
+class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
+    decision: str  # "allow" | "deny"
+    reason: str
+    value: str | None = None  # request, allowed
+    exit_code: int | None = None  # execute, allowed
+    timed_out: bool = False
+    stdout: str | None = None
+    stderr: str | None = None
+    truncated: bool = False
+    error: str | None = None  # a refusal before any decision: its rule
+
+
+class RecentActivity(Protocol):
+    def __call__(self, crew: str) -> tuple[str, ...]: ...
+
+
+def env_name(credential: str) -> str:
+    """The environment variable an execute's command finds the value in: github-token ->
+    GITHUB_TOKEN (documented in docs/keeper.md)."""
+    name = _NAME_TO_ENV.sub("_", credential.upper())
+    return name if name[:1].isalpha() else "CREDENTIAL_" + name
+
+
+def _credential_named(body: bytes) -> str:
+    try:
+        fields = msgspec.json.decode(body[:MAX_BODY_BYTES])
+    except msgspec.DecodeError:
+        return ""
+    name = fields.get("credential") if isinstance(fields, dict) else None
+    return name[:64] if isinstance(name, str) else ""
+
+
+class KeeperService:
+    def __init__(
+        self,
+        store: CredentialStore,
+        gatekeeper: GatekeeperConfig,
+        recorder: JournalRecorder,
+        provider: RuntimeProvider | None,
+        recent_activity: RecentActivity | None = None,
+        ask: Callable[[GatekeeperConfig, KeeperQuery], Any] = ask_gatekeeper,
+    ) -> None:
+        self.store = store
+        self.gatekeeper = gatekeeper
+        self.recorder = recorder
+        self.provider = provider
+        self.recent_activity = recent_activity
+        self._ask = ask
+
+    async def handle(self, action: Action, crew: str, body: bytes) -> tuple[int, Answer]:
+        """(HTTP status, answer) for one keeper call of `crew` (from the gateway)."""
+        try:
+            request = self._decode(body)
+            intent = check_intent(request.intent)
+            argv = None
+            if action is Action.EXECUTE:
+                argv = parse_command(request.command)
+            elif request.command is not None:
+                raise KeeperRefused("a request takes no command", rule="unexpected_command")
+        except KeeperRefused as exc:
+            # A refusal is a decision too: journaled, naming what the body named (if anything).
+            named = _credential_named(body)
+            await self.recorder.record(
+                E.KeeperDecision(
+                    crew=crew,
+                    action=action.value,
+                    credential=named,
+                    decision=Decision.DENY.value,
+                    reason=f"{exc} (refused: {exc.rule})",
+                )
+            )
+            return 400, Answer("deny", str(exc), error=exc.rule)
+        level = self._level(request.credential, crew, request.agent)
+        if level is None:
+            verdict = Verdict(Decision.DENY, "no such credential for this crew", "", "grant")
+        elif fast_path_allows(action, level, intent):
+            verdict = Verdict(Decision.ALLOW, "L1 fast path", "low", "fast_path")
+        else:
+            verdict = await self._ask(
+                self.gatekeeper,
+                KeeperQuery(
+                    action=action.value,
+                    credential=request.credential,
+                    level=level.value,
+                    intent=intent,
+                    crew=crew,
+                    agent=request.agent,
+                    argv=argv,
+                    recent_activity=await self._recent(crew),
+                ),
+            )
+        await self.recorder.record(
+            E.KeeperDecision(
+                crew=crew,
+                agent=request.agent,
+                action=action.value,
+                credential=request.credential,
+                decision=verdict.decision.value,
+                reason=f"{verdict.reason} ({verdict.source})",
+                level=level.value if level is not None else "",
+            )
+        )
+        if not verdict.allowed:
+            status = 404 if verdict.source == "grant" else 403
+            return status, Answer("deny", verdict.reason)
+        try:
+            secret = self.store.value_for(request.credential, crew, request.agent)
+        except CredStoreError:
+            # Revoked between the decision and now: the decision no longer applies.
+            return 404, Answer("deny", "no such credential for this crew")
+        try:
+            value = secret.reveal().decode("utf-8", "replace")
+        finally:
+            secret.wipe()
+        if argv is None:
+            return 200, Answer("allow", verdict.reason, value=value)
+        return await self._execute(crew, request, argv, value, verdict)
+
+    def _decode(self, body: bytes) -> KeeperBody:
+        if len(body) > MAX_BODY_BYTES:
+            raise KeeperRefused(f"body over {MAX_BODY_BYTES} bytes", rule="too_long")
+        try:
+            return msgspec.json.decode(body, type=KeeperBody)
+        except msgspec.DecodeError as exc:
+            raise KeeperRefused(f"bad keeper body: {exc}", rule="bad_body") from None
+
+    def _level(self, name: str, crew: str, agent: str | None) -> Level | None:
+        try:
+            if not self.store.is_granted(name, crew, agent):
+                return None
+            return Level(self.store.info(name).level)
+        except (CredStoreError, ValueError):
+            return None
+
+    async def _recent(self, crew: str) -> tuple[str, ...]:
+        if self.recent_activity is None:
+            return ()
+        try:
+            return await trio.to_thread.run_sync(self.recent_activity, crew)
+        except Exception as exc:  # the model then judges the request alone
+            log.warning("keeper: no recent activity for crew %s: %s", crew, exc)
+            return ()
+
+    async def _execute(
+        self, crew: str, request: KeeperBody, argv: tuple[str, ...], value: str, verdict: Verdict
+    ) -> tuple[int, Answer]:
+        if self.provider is None:
+            return 503, Answer("deny", "no runtime provider to execute in")
+        # A scrubber that certainly holds this value (plus the default shapes), one stream per
+        # pipe so a value split across writes is still caught (docs/scrubber.md).
+        scrubber = Scrubber([(request.credential, value)])
+        streams = {"stdout": scrubber.stream(), "stderr": scrubber.stream()}
+        output = {"stdout": bytearray(), "stderr": bytearray()}
+        truncated = False
+        exited = ExecExited(exit_code=-1, timed_out=False)
+        async for item in self.provider.exec(
+            crew,
+            list(argv),
+            env={env_name(request.credential): value},
+            timeout=EXEC_TIMEOUT_SECONDS,
+        ):
+            if isinstance(item, ExecOutput):
+                scrubbed = streams[item.stream].feed(item.line)
+                room = MAX_OUTPUT_BYTES - len(output[item.stream])
+                truncated |= len(scrubbed) > room
+                output[item.stream] += scrubbed[: max(room, 0)]
+            else:
+                exited = item
+        for name, stream in streams.items():
+            output[name] += stream.flush()
+        await self.recorder.record(
+            E.CommandExecuted(
+                crew=crew,
+                agent=request.agent,
+                argv=argv,
+                exit_code=None if exited.timed_out else exited.exit_code,
+                credential=request.credential,
+            )
+        )
+        return 200, Answer(
+            "allow",
+            verdict.reason,
+            exit_code=exited.exit_code,
+            timed_out=exited.timed_out,
+            stdout=output["stdout"].decode("utf-8", "replace"),
+            stderr=output["stderr"].decode("utf-8", "replace"),
+            truncated=truncated,
+        )
