@@ -538,30 +538,16 @@ def cmd_crew_rm(args: argparse.Namespace, out: _Output) -> int:
 
 
 def cmd_run(args: argparse.Namespace, out: _Output) -> int:
-    from appliance.daemon.client import AdminClient, AdminError, RunExit, Unreachable
+    # The same streaming and exit codes as the console script's fast path (appliance/ctl.py),
+    # by the same code.
+    from appliance.ctl import RunLine, run
 
     argv = list(args.argv)
     if not argv:
         return out.error("argument CMD: give the command after --", EXIT_USAGE)
-    client = AdminClient(_socket_path(args), timeout=None)
-    exit_code = EXIT_FAILURE
-    try:
-        for event in client.run(args.name, argv, args.timeout):
-            if isinstance(event, RunExit):
-                exit_code = EXIT_TIMED_OUT if event.timed_out else event.exit_code
-                if out.as_json:
-                    print(json.dumps({"exit_code": event.exit_code, "timed_out": event.timed_out}))
-            elif out.as_json:
-                print(json.dumps({"stream": event.stream, "line": event.line}), flush=True)
-            else:
-                target = sys.stdout if event.stream == "stdout" else sys.stderr
-                target.write(event.line)
-                target.flush()
-    except Unreachable as exc:
-        return out.error(str(exc), EXIT_UNREACHABLE)
-    except AdminError as exc:
-        return out.error(exc.message, _exit_for_status(exc.status), kind=exc.error)
-    return exit_code if 0 <= exit_code <= 255 else EXIT_FAILURE
+    line = RunLine()
+    line.as_json, line.timeout, line.name, line.argv = out.as_json, args.timeout, args.name, argv
+    return run(line, _socket_path(args))
 
 
 def _journal_line(row: dict[str, Any]) -> str:
