@@ -12,7 +12,7 @@ import os
 import socket
 import stat
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import msgspec
 import trio
@@ -43,16 +43,10 @@ async def serve_control_stream(stream: trio.abc.Stream, handler: Handler) -> Non
             buffer += data
             if len(buffer) > MAX_LINE and b"\n" not in buffer:
                 return
-            while (end := buffer.find(b"\n")) != -1:
-                line = bytes(buffer[:end])
-                del buffer[: end + 1]
-                try:
-                    message = control.message_decoder.decode(line)
-                except msgspec.DecodeError as exc:
-                    reply = control.ControlReply(ok=False, error=f"bad message: {exc}")
-                else:
-                    reply = await handler(message)
-                await stream.send_all(control.encoder.encode(reply) + b"\n")
+            for message in _complete_messages(buffer):
+                if not isinstance(message, control.ControlReply):
+                    message = await handler(message)
+                await stream.send_all(control.encoder.encode(message) + b"\n")
 
 
 async def serve_control_channel(sock: trio.socket.SocketType, handler: ChannelHandler) -> None:
@@ -84,13 +78,9 @@ async def serve_control_channel(sock: trio.socket.SocketType, handler: ChannelHa
             buffer += data
             if len(buffer) > MAX_LINE and b"\n" not in buffer:
                 return
-            while (end := buffer.find(b"\n")) != -1:
-                line = bytes(buffer[:end])
-                del buffer[: end + 1]
-                try:
-                    message = control.message_decoder.decode(line)
-                except msgspec.DecodeError as exc:
-                    reply = control.ControlReply(ok=False, error=f"bad message: {exc}")
+            for message in _complete_messages(buffer):
+                if isinstance(message, control.ControlReply):
+                    reply = message
                 else:
                     listener = None
                     if isinstance(message, control.CrewAdd) and message.listener:
@@ -106,6 +96,20 @@ async def serve_control_channel(sock: trio.socket.SocketType, handler: ChannelHa
     finally:
         for fd in fds:
             fd.close()
+
+
+def _complete_messages(
+    buffer: bytearray,
+) -> Iterator[control.ControlMessage | control.ControlReply]:
+    """Each complete line taken off `buffer`, decoded; a line that does not decode is the
+    refusal to send back instead."""
+    while (end := buffer.find(b"\n")) != -1:
+        line = bytes(buffer[:end])
+        del buffer[: end + 1]
+        try:
+            yield control.message_decoder.decode(line)
+        except msgspec.DecodeError as exc:
+            yield control.ControlReply(ok=False, error=f"bad message: {exc}")
 
 
 async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
