@@ -344,6 +344,21 @@ def test_allowlist_entry_added_at_run_time(proxy: RunningProxy, plain_host: Fake
     assert bad.returncode == 1 and "unknown crew 'nosuchcrew'" in bad.stderr
 
 
+def test_control_socket_answers_a_line_it_cannot_read_and_goes_on(proxy: RunningProxy) -> None:
+    assert proxy.control_socket is not None
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(proxy.control_socket))
+        sock.sendall(b'{"type": "no_such_message"}\n{"type": "allow_host", "crew": "test"')
+        sock.sendall(b', "host": "third.test"}\n')
+        answers = b""
+        while answers.count(b"\n") < 2:
+            answers += sock.recv(4096)
+    refused, allowed = (json.loads(line) for line in answers.splitlines())
+    assert refused["ok"] is False and refused["error"].startswith("bad message")
+    assert allowed["ok"] is True
+
+
 def test_mode_none_refuses_every_route(make_proxy) -> None:
     proxy = make_proxy(mode="none")
     response = httpx.post(f"{proxy.url}/anthropic/v1/messages", json={})
