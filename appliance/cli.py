@@ -74,18 +74,39 @@ def _raise_fd_limit() -> None:
 
 
 def run_proxy_worker(
-    config: ProxyConfig, worker: int, control_channel: socket.socket | None = None
+    config: ProxyConfig,
+    worker: int,
+    control_channel: socket.socket | None = None,
+    *,
+    events_channel: socket.socket | None = None,
+    drop_to: tuple[int, int] | None = None,
 ) -> None:
     import trio
 
-    from appliance.hardening import forbid_core_dumps
+    from appliance.hardening import drop_privileges, forbid_core_dumps
     from native import headscan
     from native.scrub import native_missing_notice
-    from proxycore.server import serve
+    from proxycore.events import ChannelSink
+    from proxycore.server import ProxyRuntime, serve
 
     # The proxy holds every key it injects: no core dump, no ptrace, /proc/PID root-only.
     forbid_core_dumps()
     _raise_fd_limit()
+    sink = (
+        make_sink(config, worker)
+        if events_channel is None
+        else ChannelSink(
+            events_channel,
+            max_batch=config.events.max_batch,
+            max_pending=config.events.max_pending,
+        )
+    )
+    # Built before the drop: it reads the CA bundle and any credential file while it still can.
+    runtime = ProxyRuntime(config, sink)
+    if drop_to is not None:
+        _preload_for_unprivileged()
+        # From here on: UID drop_to[0], no capability, no_new_privs (appliance/hardening.py).
+        drop_privileges(*drop_to)
 
     async def main() -> None:
         channel = None
@@ -96,10 +117,7 @@ def run_proxy_worker(
             async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
                 # serve() returns when its control channel closes (the parent is gone).
                 await serve(
-                    config,
-                    make_sink(config, worker),
-                    control_channel=channel,
-                    task_status=task_status,
+                    config, sink, control_channel=channel, runtime=runtime, task_status=task_status
                 )
                 nursery.cancel_scope.cancel()
 
@@ -128,6 +146,15 @@ def run_proxy_worker(
                     return
 
     trio.run(main)
+
+
+def _preload_for_unprivileged() -> None:
+    """Import now what the proxy would otherwise import on first use: after the privilege drop
+    the interpreter's own files may be out of reach (a Python under /root, a checkout in a
+    0700 directory), and an import that fails there would fail a request."""
+    import encodings.idna  # noqa: F401  (host names: socket.getaddrinfo, ssl)
+    import stringprep  # noqa: F401  (by encodings.idna)
+    import unicodedata  # noqa: F401  (by encodings.idna)
 
 
 def _load_proxy_config(path: str) -> ProxyConfig:
@@ -180,10 +207,19 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
                 return out.error("argument --control-fd: needs a single worker", EXIT_USAGE)
             try:
                 channel = socket.socket(fileno=args.control_fd)
+                events = None if args.events_fd is None else socket.socket(fileno=args.events_fd)
             except OSError as exc:
-                return out.error(f"argument --control-fd: {exc.strerror}", EXIT_USAGE)
-            run_proxy_worker(config, 0, control_channel=channel)
+                return out.error(f"argument --control-fd/--events-fd: {exc.strerror}", EXIT_USAGE)
+            run_proxy_worker(
+                config,
+                args.worker_index,
+                control_channel=channel,
+                events_channel=events,
+                drop_to=args.drop_to,
+            )
             return EXIT_OK
+        if args.events_fd is not None or args.drop_to is not None:
+            return out.error("arguments --events-fd and --drop-to: need --control-fd", EXIT_USAGE)
         if workers == 1:
             # Bind before announcing readiness so a caller that sees "listening" can connect.
             run_proxy_worker(config, 0)
@@ -433,7 +469,8 @@ def cmd_status(args: argparse.Namespace, out: _Output) -> int:
         f"applianced pid {status['pid']}, state {status['state_dir']}",
         f"provider {status['provider']} (isolated: {status['isolated']}), runtimes: "
         + ", ".join(status["runtimes"]),
-        f"proxy pid {status['proxy_pid']} alive: {status['proxy_alive']}, port "
+        f"proxy workers {', '.join(map(str, status.get('proxy_pids') or ())) or 'none'} "
+        f"(uid {status.get('proxy_uid')}), alive: {status['proxy_alive']}, port "
         f"{status['proxy_port']}, restarts {status['proxy_restarts']}",
         f"crews: {status['crews']} ({status['crews_ready']} ready)",
     ]
@@ -911,6 +948,13 @@ def _add_admin_parsers(commands: Any) -> None:
     )
 
 
+def _uid_gid(text: str) -> tuple[int, int]:
+    uid, sep, gid = text.partition(":")
+    if not (sep and uid.isdigit() and gid.isdigit()) or int(uid) == 0 or int(gid) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not UID:GID (numbers, not 0)")
+    return int(uid), int(gid)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="appliancectl", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -928,6 +972,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a socketpair end inherited from applianced: control messages and crew listeners",
     )
+    proxy.add_argument(
+        "--events-fd",
+        type=int,
+        default=None,
+        help="a socketpair end inherited from applianced: the worker's events, as JSON lines",
+    )
+    proxy.add_argument(
+        "--drop-to",
+        type=_uid_gid,
+        default=None,
+        metavar="UID:GID",
+        help="after start-up, become UID:GID with no capabilities and no_new_privs",
+    )
+    proxy.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     proxy.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )

@@ -178,7 +178,6 @@ class DemoAppliance:
         self.socket = workdir / "run" / "admin.sock"
         self.config_path = workdir / "appliance.toml"
         self.log_path = workdir / "applianced.log"
-        self.events_path = workdir / "events.jsonl"
         self.key_file = workdir / "anthropic.key"
         self.table = f"appliance_demo_{tag}"
         self.ifname_prefix = f"d{tag}"
@@ -186,7 +185,7 @@ class DemoAppliance:
         self.crew = f"{self.name_prefix}crew"
         self.pool = ""
         self.process: subprocess.Popen[bytes] | None = None
-        self.proxy_pid: int | None = None
+        self.proxy_pids: tuple[int, ...] = ()
 
     def write_config(
         self,
@@ -236,9 +235,6 @@ pool = "{self.pool}"
 table = "{self.table}"
 ifname_prefix = "{self.ifname_prefix}"
 {provider}
-[proxy.events]
-path = "{self.events_path}"
-flush_interval = 0.05
 """)
 
     def start(self, wait: float = 120.0) -> dict[str, Any]:
@@ -262,7 +258,7 @@ flush_interval = 0.05
             with contextlib.suppress(Unreachable, AdminError):
                 status: dict[str, Any] = client.call("GET", "/v1/status")
                 if status.get("pid") == self.process.pid:
-                    self.proxy_pid = status.get("proxy_pid")
+                    self.proxy_pids = tuple(status.get("proxy_pids") or ())
                     return status
             time.sleep(0.1)
         raise CheckFailed(f"applianced did not answer within {wait:g} s: {self.log_tail()}")
@@ -331,7 +327,7 @@ flush_interval = 0.05
         )
         processes = [
             str(pid)
-            for pid in (self.process.pid if self.process else None, self.proxy_pid)
+            for pid in (self.process.pid if self.process else None, *self.proxy_pids)
             if pid is not None and _alive(pid)
         ]
         for what, items in (
@@ -463,6 +459,15 @@ def _tour(tour: Tour, app: DemoAppliance) -> FakeServer:
     return upstream
 
 
+def _proc_status(pid: int) -> dict[str, str]:
+    from appliance.hardening import process_status
+
+    try:
+        return process_status(pid)
+    except OSError:
+        return {}
+
+
 def _crew_tour(
     tour: Tour, app: DemoAppliance, upstream: FakeServer, agent: str, infra: str, ca_file: Path
 ) -> None:
@@ -470,11 +475,26 @@ def _crew_tour(
         app.write_config(agent, infra, upstream.port, ca_file)
         status = app.start()
         tour.say(
-            f"applianced pid {status['pid']}, proxy pid {status['proxy_pid']}, state "
+            f"applianced pid {status['pid']}, proxy workers {list(app.proxy_pids)}, state "
             f"{app.state_dir}\npool {app.pool}, table inet {app.table}, interfaces "
             f"{app.ifname_prefix}*, crews {app.name_prefix}*\nthe demo key is in "
             f"{app.key_file.name} (0600), read by the proxy only: {masked(DEMO_KEY)}"
         )
+
+    with tour.step("the proxy workers run unprivileged (UID 1002, no capabilities)"):
+        for pid in app.proxy_pids:
+            fields = _proc_status(pid)
+            tour.say(
+                f"worker {pid}: Uid {fields.get('Uid', '?').split()}, CapEff "
+                f"{fields.get('CapEff')}, CapBnd {fields.get('CapBnd')}, NoNewPrivs "
+                f"{fields.get('NoNewPrivs')}"
+            )
+            expect(fields.get("Uid", "").split() == ["1002"] * 4, f"worker {pid} is not UID 1002")
+            expect(
+                all(int(fields.get(k, "1"), 16) == 0 for k in ("CapPrm", "CapEff", "CapBnd")),
+                f"worker {pid} holds capabilities",
+            )
+            expect(fields.get("NoNewPrivs") == "1", f"worker {pid} lacks no_new_privs")
 
     crew = app.crew
     with tour.step("create a restricted crew that may reach only the provider host"):
@@ -595,19 +615,22 @@ def _crew_tour(
         expect("Read-only file system" in done.stderr, "writing under /usr did not fail")
         expect("/tmp and HOME: writable" in done.stdout, "/tmp or HOME is not writable")
 
-    with tour.step("decision events (written by the proxy) hold no credential"):
-        time.sleep(0.2)
-        text = app.events_path.read_text() if app.events_path.exists() else ""
+    with tour.step("the journal holds the proxy's decisions, and no credential"):
         kinds: dict[str, int] = {}
-        for line in text.splitlines():
-            event = json.loads(line)["event"]
-            kinds[event] = kinds.get(event, 0) + 1
+        wanted = {"proxy.allow", "credential.injected", "proxy.deny"}
+        deadline = time.monotonic() + 5  # the workers send their events every 50 ms
+        while True:
+            done = app.ctl(tour, "journal", "export", "--jsonl", show=False)
+            kinds = {}
+            for line in done.stdout.splitlines():
+                kind = json.loads(line)["type"]
+                kinds[kind] = kinds.get(kind, 0) + 1
+            if wanted <= set(kinds) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         tour.say(", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())))
-        expect(
-            {"request_allowed", "credential_injected", "request_denied"} <= set(kinds),
-            "an expected event is missing",
-        )
-        expect(DEMO_KEY not in text, "the key is in the events")
+        expect(wanted <= set(kinds), "an expected journal entry is missing")
+        expect(DEMO_KEY not in done.stdout, "the key is in the journal")
 
     with tour.step("remove the crew"):
         done = app.ctl(tour, "crew", "rm", crew)
@@ -618,7 +641,7 @@ def _crew_tour(
         expect(code == 0, f"applianced exited with {code}: {app.log_tail()}")
         # The proxy exits when applianced's end of its control channel closes.
         deadline = time.monotonic() + 10
-        while app.proxy_pid and _alive(app.proxy_pid) and time.monotonic() < deadline:
+        while any(_alive(pid) for pid in app.proxy_pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         # applianced keeps its table between starts (the rules of running crews live in it);
         # this table was the demo's own.

@@ -52,9 +52,9 @@ from .credentials import (
 from .errors import HttpProtocolError, PolicyDenied, ProxyError, UpstreamError
 from .events import (
     AllowlistChanged,
+    BatchingSink,
     CredentialInjected,
     EventSink,
-    JsonLinesSink,
     KeeperCallRefused,
     PolicyWarning,
     RequestAllowed,
@@ -700,8 +700,10 @@ class ClientConnection:
         self, route: str, method: bytes, host: str, port: int, close: bool
     ) -> None:
         crew = self.crew
-        if self.runtime.audit_paused:
+        if self.runtime.audit_paused or self.runtime.sink.backlogged:
             # Every route (forward, reverse, tunnel) passes here before anything is dialled.
+            # Paused by applianced (its journal is behind), or this worker's own events are not
+            # being taken off its hands fast enough: either way, refuse rather than not record.
             raise self._deny(
                 route,
                 method,
@@ -1345,11 +1347,17 @@ async def serve(
     *,
     listeners: list[trio.SocketListener] | None = None,
     control_channel: trio.SocketStream | None = None,
+    runtime: ProxyRuntime | None = None,
     task_status: trio.TaskStatus[ProxyRuntime] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the proxy until cancelled."""
-    runtime = ProxyRuntime(config, sink)
-    if isinstance(sink, JsonLinesSink):
+    """Run the proxy until cancelled.
+
+    `runtime` may be built beforehand (from `config` and `sink`): a worker that drops its
+    privileges builds it first, while it can still read its CA bundle and credential files.
+    """
+    if runtime is None:
+        runtime = ProxyRuntime(config, sink)
+    if isinstance(sink, BatchingSink):
         scrubbers = runtime.scrubbers
         # Read at each write, so a credential added at run time is scrubbed from then on.
         sink.scrub = lambda batch: scrub_json_lines(scrubbers.current, batch)

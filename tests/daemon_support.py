@@ -66,6 +66,7 @@ class Appliance:
     pool: str = ""
     port: int = 0
     infra_pool: int = 2  # [crews] infra_pool (the daemon's default)
+    proxy_workers: int = 2  # [proxy] workers (the daemon's default is one per CPU)
     process: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
 
@@ -112,6 +113,9 @@ pool = "{self.pool}"
 table = "{self.table}"
 ifname_prefix = "{self.prefix}"
 
+[proxy]
+workers = {self.proxy_workers}
+
 [proxy.providers.anthropic]
 base_url = "https://api.anthropic.test:{self.provider_port}"
 credential_env = "TEST_ANTHROPIC_KEY"
@@ -155,6 +159,9 @@ resolve = {{ {resolve} }}
 
     def log_text(self) -> str:
         return self.logs[-1].read_text(errors="replace") if self.logs else ""
+
+    def ctl_argv(self) -> list[str]:
+        return [sys.executable, "-m", "appliance.cli", "--socket", str(self.socket)]
 
     def ctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -49,7 +49,9 @@ def test_demo_tour_passes_and_says_what_it_shows() -> None:
     assert "Read-only file system" in out
     assert "NoNewPrivs:\t1" in out
     assert "crew demo" in out and "removed" in out
-    assert "demo: all 16 steps behaved as expected" in out
+    assert "Uid ['1002', '1002', '1002', '1002'], CapEff 0000000000000000" in out
+    assert "proxy.allow x" in out and "credential.injected x" in out
+    assert "demo: all 17 steps behaved as expected" in out
     # The demo key itself is never printed, only a masked form of it.
     assert "sk-ant-api03-DEMO-held-by-the-appliance-000000000000" not in out
 
@@ -62,4 +64,4 @@ def test_demo_json_report() -> None:
     assert report["ok"] is True and report["failed_step"] is None
     steps = [step["step"] for step in report["steps"]]
     assert steps[0] == "container engine" and steps[-1] == "nothing left behind"
-    assert all(step["ok"] for step in report["steps"]) and len(steps) == 16
+    assert all(step["ok"] for step in report["steps"]) and len(steps) == 17

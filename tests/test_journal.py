@@ -398,28 +398,29 @@ def test_the_proxy_refuses_crew_traffic_while_audit_is_paused(
 
 
 def test_ingest_waits_when_full_signals_and_loses_nothing(tmp_path: Path) -> None:
-    """The proxy's event file into the journal: a full queue pauses the crews (the signal), the
-    file buffers, every event lands exactly once, across a restart of the ingester too."""
+    """A worker's events channel into the journal: a full queue pauses the crews (the signal),
+    the channel buffers, every event lands exactly once and in order; a line cut short by a
+    dying worker is journaled as unreadable, never dropped silently."""
+    import socket
+
     import trio
 
-    from appliance.journal.recorder import PROXY_SOURCE, JournalRecorder
+    from appliance.journal.recorder import UNREADABLE_EVENT, JournalRecorder
     from proxycore import events as pe
 
-    events_file = tmp_path / "proxy-events.jsonl"
     encoder = msgspec.json.Encoder()
 
-    def write_events(start: int, count: int) -> None:
-        with open(events_file, "ab") as file:
-            for i in range(start, start + count):
-                file.write(
-                    encoder.encode(
-                        pe.RequestDenied(
-                            crew="c1", mode="restricted", route="forward", method="GET",
-                            host=f"h{i}.example", port=80, rule="not_in_allowlist", status=403,
-                        )
-                    )
-                    + b"\n"
-                )  # fmt: skip
+    def event_lines(start: int, count: int) -> bytes:
+        return b"".join(
+            encoder.encode(
+                pe.RequestDenied(
+                    crew="c1", mode="restricted", route="forward", method="GET",
+                    host=f"h{i}.example", port=80, rule="not_in_allowlist", status=403,
+                )
+            )
+            + b"\n"
+            for i in range(start, start + count)
+        )  # fmt: skip
 
     journal = Journal(tmp_path / "journal.db", capacity=8, max_batch=4)
     signals: list[bool] = []
@@ -429,39 +430,78 @@ def test_ingest_waits_when_full_signals_and_loses_nothing(tmp_path: Path) -> Non
 
     async def main() -> None:
         recorder = JournalRecorder(journal, on_backpressure=backpressure)
+        ours, worker = socket.socketpair()
         blocker = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")  # the disk "stalls": the writer cannot commit
-        write_events(0, 100)
+        worker.sendall(event_lines(0, 100))
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
         async with trio.open_nursery() as nursery:
-            await nursery.start(recorder.ingest_proxy_events, events_file)
+            nursery.start_soon(recorder.ingest_proxy_channel, stream, 0)
+            await nursery.start(recorder.watch_backpressure)
             with trio.fail_after(10):
                 while not signals:
                     await trio.sleep(0.01)
             assert signals == [True]  # refused, not skipped
             blocker.execute("COMMIT")
             blocker.close()
+            # The worker goes on, then dies in the middle of a line.
+            worker.sendall(event_lines(100, 5) + b'{"event":"request_den')
+            worker.close()
             with trio.fail_after(20):
-                while journal.cursor(PROXY_SOURCE) < events_file.stat().st_size or signals[-1]:
+                while journal.pending or len(journal.tail(1000)) < 106 or signals[-1]:
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
         assert signals == [True, False]
 
     trio.run(main)
-    write_events(100, 5)  # written while no ingester runs
-
-    async def again() -> None:
-        recorder = JournalRecorder(journal)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(recorder.ingest_proxy_events, events_file)
-            with trio.fail_after(10):
-                while journal.cursor(PROXY_SOURCE) < events_file.stat().st_size:
-                    await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-    trio.run(again)
     rows = journal.tail(1000)
-    hosts = [msgspec.json.decode(r.payload)["host"] for r in rows]
+    assert len(rows) == 106
+    hosts = [msgspec.json.decode(r.payload)["host"] for r in rows[:105]]
     assert hosts == [f"h{i}.example" for i in range(105)]
-    assert {r.type for r in rows} == {"proxy.deny"}
+    assert {r.type for r in rows[:105]} == {"proxy.deny"}
+    assert rows[105].type == "proxy.notice" and UNREADABLE_EVENT in rows[105].summary
     assert journal.verify().ok
     journal.close()
+
+
+def test_channel_sink_backlog_refuses_rather_than_loses(tmp_path: Path) -> None:
+    """The worker's side: while nobody reads its events channel its queue grows; at half full
+    `backlogged` is true (the server refuses crew traffic then); past full, events are counted
+    and reported as one EventsDropped, never lost without a word; once read, all arrive."""
+    import socket
+
+    import trio
+
+    from proxycore import events as pe
+
+    ours, theirs = socket.socketpair()
+    sink = pe.ChannelSink(theirs, flush_interval=0.01, max_batch=64, max_pending=1000)
+    received = bytearray()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sink.run)
+            filler = pe.PolicyWarning(crew="c", message="x" * 2000)
+            # Fill the socket's buffer first (nobody reads), then the queue behind it.
+            sent = 0
+            with trio.fail_after(20):
+                while not sink.backlogged:
+                    sink.emit(filler)
+                    sent += 1
+                    if sent % 64 == 0:
+                        await trio.sleep(0.02)
+            assert sink.backlogged
+            for _ in range(2000):  # past max_pending: counted, not queued
+                sink.emit(filler)
+            reader = trio.socket.from_stdlib_socket(ours)
+            with trio.fail_after(20):
+                while not received.endswith(b"\n") or sink.backlogged or sink._pending:
+                    received.extend(await reader.recv(1 << 20))
+            assert not sink.backlogged
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    events = pe.decode_events(bytes(received))
+    dropped = [e for e in events if isinstance(e, pe.EventsDropped)]
+    assert len(dropped) == 1 and dropped[0].count > 0
+    assert len(events) - 1 + dropped[0].count >= 2000

@@ -58,6 +58,9 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (containers removed, networks detached, rows kept as "stopped"; the next start re-creates
     # them).
     stop_crews_on_exit: bool = False
+    # Runtime files that the proxy workers must reach (the keeper's socket), each applianced in
+    # a directory of its own below this one; appliance/daemon/main.py keeper_dir.
+    run_dir: str = "/run/agent-appliance-keeper"
 
 
 class ImagesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -96,6 +99,12 @@ class CredentialsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
 
 class ProxySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Worker processes sharing the crews' traffic; 0: one per CPU of the host.
+    workers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    # The workers drop to this UID and GID (no capabilities, no_new_privs) once started; they
+    # need no account, and must not share their ids with anything else on the host.
+    uid: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 2)] = 1002
+    gid: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 2)] = 1002
     limits: LimitsConfig = LimitsConfig()
     providers: ProvidersConfig = ProvidersConfig()
     upstream: UpstreamConfig = UpstreamConfig()
@@ -116,6 +125,10 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def max_cpus(self) -> float:
         return self.crews.max_cpus or float(os.cpu_count() or 1)
+
+    @property
+    def proxy_workers(self) -> int:
+        return self.proxy.workers or os.cpu_count() or 1
 
     def net_config(self) -> NetConfig:
         return msgspec.structs.replace(self.net, proxy_ports=(self.daemon.proxy_port,))
@@ -160,13 +173,19 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
         return ConfigInvalid(f"{source}: `{key}`: {why}")
 
     daemon = config.daemon
-    for key in ("state_dir", "admin_socket"):
+    for key in ("state_dir", "admin_socket", "run_dir"):
         if not os.path.isabs(getattr(daemon, key)):
             raise fail(f"daemon.{key}", "must be an absolute path")
     for key in ("db", "key_file"):
         value = getattr(config.credentials, key)
         if value is not None and not os.path.isabs(value):
             raise fail(f"credentials.{key}", "must be an absolute path")
+    if config.proxy.events.path is not None:
+        raise fail(
+            "proxy.events.path",
+            "applianced journals the proxy's events itself (each worker sends them over its "
+            "events channel); remove the key",
+        )
     if not daemon.provider:
         raise fail("daemon.provider", "must be 'docker' or 'module:factory'")
     crews = config.crews

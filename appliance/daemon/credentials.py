@@ -11,7 +11,7 @@ that can alter what the proxy injects (grant, revoke, rotate), applianced decryp
 grant of a provider credential and sends the whole map to the proxy (`credentials_set` over the
 socketpair) before it answers, so when `appliancectl cred rotate` returns, the next request
 upstream carries the new key. The proxy child asks for the map again after every restart
-(ProxyChild.credentials_source). The decrypted values are wiped as soon as the message is encoded;
+(ProxyPool.credentials_source). The decrypted values are wiped as soon as the message is encoded;
 applianced holds no plaintext between pushes.
 """
 
@@ -29,7 +29,7 @@ from . import messages
 from .errors import DaemonError, Unavailable
 
 if TYPE_CHECKING:
-    from .proxy import ProxyChild
+    from .proxy import ProxyPool
 
 log = logging.getLogger("applianced.credentials")
 
@@ -75,7 +75,7 @@ def stored_scrubber(store: CredentialStore) -> Scrubber:
 
 
 class CredentialsApi:
-    def __init__(self, store: CredentialStore, proxy: ProxyChild) -> None:
+    def __init__(self, store: CredentialStore, proxy: ProxyPool) -> None:
         self.store = store
         self.proxy = proxy
         # Where the store's values must be scrubbed too (the journal): given a fresh scrubber

@@ -84,7 +84,7 @@ from proxycore.policy import Allowlist, NetworkMode, normalize_host
 from . import messages
 from .config import ApplianceConfig
 from .errors import CrewBusy, CrewExists, CrewNotFound, DaemonError, InvalidRequest, StepFailed
-from .proxy import CrewEntry, ProxyChild
+from .proxy import CrewEntry, ProxyPool
 from .state import CrewPhase, CrewRow, PoolSlot, SlotPhase, StateStore
 
 log = logging.getLogger("applianced.crews")
@@ -183,7 +183,7 @@ class CrewManager:
         provider: RuntimeProvider,
         networks: CrewNetworks,
         store: StateStore,
-        proxy: ProxyChild,
+        proxy: ProxyPool,
         images: tuple[str, str],
         *,
         on_step: StepHook | None = None,

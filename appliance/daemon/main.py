@@ -21,6 +21,7 @@ daemon reaches nothing (fail closed), and the next start serves it again.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib
 import logging
 import os
@@ -29,7 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 import trio
 
 from appliance.credstore import CredentialStore, load_key
@@ -48,16 +48,15 @@ from .config import ApplianceConfig
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
-from .proxy import ProxyChild
+from .proxy import ProxyPool
 from .state import CrewPhase, StateStore
 
 log = logging.getLogger("applianced")
 
 LOCK_FILE = "applianced.lock"
 JOURNAL_FILE = "journal.db"
-# The proxy child writes its decisions here (proxycore/events.py); applianced journals them.
-PROXY_EVENTS_FILE = "proxy-events.jsonl"
-# applianced's keeper (appliance/keeper/channel.py): only the proxy child may connect.
+# applianced's keeper (appliance/keeper/channel.py): only the proxy workers may connect. It is
+# not in the state directory, which the workers (UID [proxy] uid) cannot enter: see keeper_dir.
 KEEPER_SOCKET = "keeper.sock"
 KEEPER_RECENT_ENTRIES = 20
 
@@ -111,7 +110,7 @@ class Daemon:
         self._lock_fd: int | None = None
         self.networks: CrewNetworks
         self.crews: CrewManager
-        self.proxy: ProxyChild
+        self.proxy: ProxyPool
         self.journal: Journal
         self.recorder: JournalRecorder
         self.credentials_api: CredentialsApi
@@ -126,6 +125,16 @@ class Daemon:
             os.close(fd)
             raise Unavailable(f"another applianced holds {self.state_dir}") from None
         self._lock_fd = fd
+
+    @property
+    def _proxy_ids(self) -> tuple[int, int] | None:
+        return self.proxy.drop_to
+
+    def _keeper_peer_allowed(self, pid: int, uid: int, gid: int) -> bool:
+        if pid not in self.proxy.pids:
+            return False
+        ids = self.proxy.drop_to
+        return ids is None or (uid, gid) == ids
 
     async def _audit_paused(self, paused: bool) -> None:
         await self.proxy.set_audit_paused(paused)
@@ -149,6 +158,8 @@ class Daemon:
             reconcile=self.reconcile_changes,
             pool_size=self.config.crews.infra_pool,
             pool_ready=self.crews.pool_ready(),
+            proxy_pids=self.proxy.pids,
+            proxy_uid=self.proxy.drop_to[0] if self.proxy.drop_to else None,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -166,16 +177,16 @@ class Daemon:
             self.networks = networks
             self.journal = journal
             self.recorder = recorder
-            proxy_config = self.config.proxy_config()
-            events_path = self.state_dir / PROXY_EVENTS_FILE
-            if proxy_config.events.path is None:
-                proxy_config = msgspec.structs.replace(
-                    proxy_config,
-                    events=msgspec.structs.replace(proxy_config.events, path=str(events_path)),
-                )
-            elif proxy_config.events.path != "-":
-                events_path = Path(proxy_config.events.path)
-            self.proxy = ProxyChild(proxy_config, self.state_dir, self.config.daemon.proxy_port)
+            section = self.config.proxy
+            self.proxy = ProxyPool(
+                self.config.proxy_config(),
+                self.state_dir,
+                self.config.daemon.proxy_port,
+                workers=self.config.proxy_workers,
+                # Only root can drop to another UID; applianced runs as root on an appliance.
+                drop_to=(section.uid, section.gid) if os.geteuid() == 0 else None,
+                events_reader=recorder.ingest_proxy_channel,
+            )
             self.credentials_api = CredentialsApi(credentials, self.proxy)
             self.proxy.credentials_source = self.credentials_api.source
             self.credentials_api.scrubbed.append(journal)
@@ -202,17 +213,18 @@ class Daemon:
                         row.summary for row in journal.tail(KEEPER_RECENT_ENTRIES, crew=crew)
                     ),
                 ),
-                self.state_dir / KEEPER_SOCKET,
-                new_token(),  # fresh at every start; only the proxy child learns it
-                # SO_PEERCRED: the proxy child and nobody else (not even another root process).
-                lambda pid, uid, gid: pid == self.proxy.pid,
+                keeper_dir(self.config) / KEEPER_SOCKET,
+                new_token(),  # fresh at every start; only the proxy workers learn it
+                # SO_PEERCRED: a running proxy worker, under the workers' UID, and nobody else
+                # (not another process of that UID, not another root process).
+                self._keeper_peer_allowed,
             )
             self.proxy.keeper_channel = control.KeeperChannelSet(
                 path=str(keeper.path), token=keeper.token
             )
             async with trio.open_nursery() as nursery:
-                await nursery.start(keeper.serve)
-                await nursery.start(recorder.ingest_proxy_events, events_path)
+                await nursery.start(keeper.serve, self._proxy_ids)
+                await nursery.start(recorder.watch_backpressure)
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())
                 # Filled in the background: a create before a slot is ready builds its own.
@@ -247,6 +259,14 @@ class Daemon:
             credentials.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
+
+
+def keeper_dir(config: ApplianceConfig) -> Path:
+    """`<daemon.run_dir>/<16 hex of the state directory's path>`: one per applianced (tests run
+    several), outside the 0700 state directory so that the proxy workers can reach the keeper
+    socket in it; made 0750 root:<workers' gid> by KeeperChannel.serve."""
+    digest = hashlib.sha256(os.fsencode(os.path.abspath(config.daemon.state_dir))).hexdigest()
+    return Path(config.daemon.run_dir) / digest[:16]
 
 
 def open_credentials(config: ApplianceConfig) -> CredentialStore:

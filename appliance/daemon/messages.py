@@ -83,6 +83,8 @@ class Status(msgspec.Struct, frozen=True):
     reconcile: tuple[str, ...]  # what the reconciliation at start changed
     pool_size: int = 0  # [crews] infra_pool: pre-plumbed infra namespaces kept ready
     pool_ready: int = 0  # how many are ready now (a crew create takes one)
+    proxy_pids: tuple[int, ...] = ()  # every running proxy worker (proxy_pid is the first)
+    proxy_uid: int | None = None  # the UID the workers drop to (None: they keep applianced's)
 
 
 class RunOutput(msgspec.Struct, frozen=True):

@@ -1,18 +1,32 @@
-"""The proxy as applianced's supervised child.
+"""The proxy as applianced's supervised, unprivileged workers.
 
 Theory of operation
 -------------------
-applianced starts `python -m appliance.cli proxy --config <state>/proxy.json --control-fd N`
-with one end of a socketpair. The generated config has no crews and no listeners: for each crew,
-applianced (root) binds a listening socket on the crew's gateway and sends `crew_add` with the
-socket attached (SCM_RIGHTS); the proxy only ever accepts on sockets it was given, so it needs no
-privilege to bind (the path to running it as an unprivileged UID, issue 6).
+applianced starts N workers (`[proxy] workers`, default one per CPU), each
 
-applianced keeps its own copy of every crew's listening socket. If the proxy dies, connections
-wait in the socket's backlog while the supervisor starts a new proxy and sends every crew again,
-with the same sockets; nothing is re-bound, so no other process can take a gateway's port in
-between. If applianced dies, the proxy sees its channel close and exits (fail closed: no proxy
-serves a policy nobody can change); the next applianced starts a fresh one.
+    python -m appliance.cli proxy --config <state>/proxy.json --control-fd C --events-fd E \
+        --drop-to 1002:1002 --worker-index I
+
+with two socketpairs: the control channel (typed messages from proxycore/control.py, one reply
+each) and the events channel (the worker's decisions as JSON lines, which applianced journals:
+`JournalRecorder.ingest_proxy_channel`). The worker reads its config and builds its runtime as
+root, then drops to UID:GID with every capability set empty and no_new_privs
+(appliance/hardening.py) before it serves anything. It never binds: for each crew, applianced
+(root) binds one listening socket on the crew's gateway and sends it with `crew_add` to every
+worker (SCM_RIGHTS); the workers accept on the same socket, so the kernel hands each new
+connection to one of them, and a worker that dies leaves the others serving.
+
+Every change of policy or credentials is broadcast to every worker under `self.lock`, and a
+worker that (re)starts is sent the whole current state under the same lock, so a worker never
+misses a change made while it was starting. A worker that does not apply a broadcast (no reply in
+time, a broken channel) is killed: it restarts with the whole state, never with a stale one
+(fail closed). A refusal that every worker gives alike (a bad host, say) is the caller's error.
+
+applianced keeps its own copy of every crew's listening socket. If a worker dies, connections wait
+in the backlog or go to the other workers while it restarts; nothing is re-bound, so no other
+process can take a gateway's port in between. If applianced dies, every worker sees its channel
+close and exits (fail closed: no proxy serves a policy nobody can change); the next applianced
+starts fresh ones.
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -36,6 +50,11 @@ from .errors import Unavailable
 log = logging.getLogger("applianced.proxy")
 
 RESTART_DELAY = 1.0
+# A worker that answers with one of these is out of step with the others (or hostile): killed.
+_CHANNEL_ERRORS = (trio.TooSlowError, trio.BrokenResourceError, OSError, msgspec.DecodeError)
+REQUEST_TIMEOUT = 15.0
+# What applianced does with a worker's events channel (the journal's ingest); returns at EOF.
+EventsReader = Callable[[trio.SocketStream, int], Awaitable[None]]
 
 
 class CrewEntry(msgspec.Struct, frozen=True):
@@ -45,28 +64,62 @@ class CrewEntry(msgspec.Struct, frozen=True):
     allow: tuple[str, ...]
 
 
-class ProxyChild:
-    def __init__(self, config: ProxyConfig, state_dir: Path, port: int) -> None:
+class _Worker:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process: trio.Process | None = None
+        self.client: ChannelClient | None = None
+
+    def kill(self, why: str) -> None:
+        process = self.process
+        if process is not None and process.returncode is None:
+            log.error("proxy worker %d (pid %d): %s; killing it", self.index, process.pid, why)
+            process.kill()
+
+
+class ProxyPool:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        state_dir: Path,
+        port: int,
+        *,
+        workers: int = 1,
+        drop_to: tuple[int, int] | None = None,
+        events_reader: EventsReader | None = None,
+    ) -> None:
         self.config_path = state_dir / "proxy.json"
         self.config = config
         self.port = port
-        self.client: ChannelClient | None = None
-        self.process: trio.Process | None = None
+        self.drop_to = drop_to
+        self.events_reader = events_reader
+        self.workers = [_Worker(index) for index in range(workers)]
         self.crews: dict[str, CrewEntry] = {}
         self.listeners: dict[str, socket.socket] = {}
-        self._ready = trio.Event()
+        # Held by every change of the workers' state and by a worker's restore (see above).
+        self.lock = trio.Lock()
         self.restarts = 0
         self.audit_paused = False  # the journal is behind: crews are refused (docs/journal.md)
-        # The crews' provider credentials, asked for afresh at every (re)start of the proxy
+        # The crews' provider credentials, asked for afresh at every (re)start of a worker
         # (appliance/daemon/credentials.py): applianced keeps no plaintext between pushes.
         self.credentials_source: Callable[[], dict[str, dict[str, str]]] | None = None
         # Where applianced's keeper listens, and its token (appliance/keeper/channel.py):
-        # sent at every (re)start, so a restarted proxy forwards keeper calls again.
+        # sent at every (re)start, so a restarted worker forwards keeper calls again.
         self.keeper_channel: control.KeeperChannelSet | None = None
 
     @property
+    def pids(self) -> tuple[int, ...]:
+        """The running workers' pids (the keeper channel admits these and nothing else)."""
+        return tuple(
+            w.process.pid
+            for w in self.workers
+            if w.process is not None and w.process.returncode is None
+        )
+
+    @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
+        pids = self.pids
+        return pids[0] if pids else None
 
     def _write_config(self) -> None:
         tmp = self.config_path.with_suffix(".tmp")
@@ -74,104 +127,153 @@ class ProxyChild:
         os.replace(tmp, self.config_path)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the proxy and keep it running; restore every crew after a restart."""
+        """Start every worker and keep each running; started once all have come up once."""
         self._write_config()
-        started = False
+        async with trio.open_nursery() as nursery:
+            for worker in self.workers:
+                nursery.start_soon(self._supervise, worker)
+            while not all(w.client is not None for w in self.workers):
+                await trio.sleep(0.02)
+            task_status.started()
+
+    def _argv(self, worker: _Worker, control_fd: int, events_fd: int) -> list[str]:
+        argv = [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "proxy",
+            "--config",
+            str(self.config_path),
+            "--control-fd",
+            str(control_fd),
+            "--events-fd",
+            str(events_fd),
+            "--worker-index",
+            str(worker.index),
+        ]
+        if self.drop_to is not None:
+            argv += ["--drop-to", f"{self.drop_to[0]}:{self.drop_to[1]}"]
+        return argv
+
+    async def _supervise(self, worker: _Worker) -> None:
         while True:
-            ours, theirs = socket.socketpair()
+            control_ours, control_theirs = socket.socketpair()
+            events_ours, events_theirs = socket.socketpair()
             try:
                 process = await trio.lowlevel.open_process(
-                    [
-                        sys.executable,
-                        "-m",
-                        "appliance.cli",
-                        "proxy",
-                        "--config",
-                        str(self.config_path),
-                        "--control-fd",
-                        str(theirs.fileno()),
-                    ],
-                    pass_fds=(theirs.fileno(),),
+                    self._argv(worker, control_theirs.fileno(), events_theirs.fileno()),
+                    pass_fds=(control_theirs.fileno(), events_theirs.fileno()),
                     stdin=open(os.devnull, "rb"),  # noqa: SIM115 (handed to the child)
                 )
+            except BaseException:
+                for sock in (control_ours, events_ours):
+                    sock.close()
+                raise
             finally:
-                theirs.close()
-            self.process = process
-            client = ChannelClient(trio.socket.from_stdlib_socket(ours))
-            try:
-                with trio.fail_after(15):
-                    reply = await client.request(control.Ping())
-                if not reply.ok:
-                    raise Unavailable(f"the proxy refused a ping: {reply.error}")
-                if self.audit_paused:
-                    await client.request(control.AuditPaused(paused=True))
-                for entry in list(self.crews.values()):
-                    await self._send_add(client, entry)
-                if self.credentials_source is not None:
-                    reply = await client.request(
-                        control.CredentialsSet(crews=self.credentials_source())
-                    )
-                    if not reply.ok:
-                        # Fail closed: a proxy without the crews' keys must not serve them.
-                        raise OSError(f"the proxy refused the credentials: {reply.error}")
-                if self.keeper_channel is not None:
-                    reply = await client.request(self.keeper_channel)
-                    if not reply.ok:
-                        raise OSError(f"the proxy refused the keeper channel: {reply.error}")
-            except (trio.TooSlowError, trio.BrokenResourceError, OSError) as exc:
-                log.error("proxy did not come up: %s", exc)
-                process.kill()
-            else:
-                self.client = client
-                self._ready.set()
-                if not started:
-                    started = True
-                    task_status.started()
-            try:
-                code = await process.wait()
-            finally:
-                self.client = None
-                self._ready = trio.Event()
-                # Closing the channel is the proxy's signal to stop; then it gets 5 s.
-                ours.close()
-                with trio.CancelScope(shield=True):
-                    with trio.move_on_after(5):
-                        await process.wait()
-                    if process.returncode is None:
-                        process.kill()
-                        await process.wait()
-            log.error("proxy exited with %s; restarting in %.0f s", code, RESTART_DELAY)
+                control_theirs.close()
+                events_theirs.close()
+            worker.process = process
+            events = trio.SocketStream(trio.socket.from_stdlib_socket(events_ours))
+            async with trio.open_nursery() as life:
+                if self.events_reader is not None:
+                    # Until EOF, i.e. until the worker has exited and its last batch is read.
+                    life.start_soon(self.events_reader, events, worker.index)
+                else:
+                    events_ours.close()
+                await self._live(worker, process, control_ours)
+            log.error(
+                "proxy worker %d exited with %s; restarting in %.0f s",
+                worker.index,
+                process.returncode,
+                RESTART_DELAY,
+            )
             self.restarts += 1
             await trio.sleep(RESTART_DELAY)
+
+    async def _live(self, worker: _Worker, process: trio.Process, channel: socket.socket) -> None:
+        """One life of one worker: give it the whole state, then wait for it to exit."""
+        client = ChannelClient(trio.socket.from_stdlib_socket(channel))
+        try:
+            async with self.lock:
+                with trio.fail_after(REQUEST_TIMEOUT):
+                    await self._restore(client)
+                worker.client = client
+        except _CHANNEL_ERRORS as exc:
+            log.error("proxy worker %d did not come up: %s", worker.index, exc)
+            process.kill()
+        try:
+            await process.wait()
+        finally:
+            worker.client = None
+            # Closing the channel is the worker's signal to stop; then it gets 5 s.
+            channel.close()
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(5):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+
+    async def _restore(self, client: ChannelClient) -> None:
+        reply = await client.request(control.Ping())
+        if not reply.ok:
+            raise OSError(f"the worker refused a ping: {reply.error}")
+        if self.audit_paused:
+            await client.request(control.AuditPaused(paused=True))
+        for entry in list(self.crews.values()):
+            reply = await client.request(_crew_add(entry), listener=self.listeners[entry.name])
+            if not reply.ok:
+                log.error("proxy refused crew %s on restore: %s", entry.name, reply.error)
+        if self.credentials_source is not None:
+            reply = await client.request(control.CredentialsSet(crews=self.credentials_source()))
+            if not reply.ok:
+                # Fail closed: a worker without the crews' keys must not serve them.
+                raise OSError(f"the worker refused the credentials: {reply.error}")
+        if self.keeper_channel is not None:
+            reply = await client.request(self.keeper_channel)
+            if not reply.ok:
+                raise OSError(f"the worker refused the keeper channel: {reply.error}")
+
+    async def _broadcast(
+        self, message: control.ControlMessage, listener: socket.socket | None = None
+    ) -> control.ControlReply:
+        """Send to every running worker (the caller holds self.lock); the first refusal, or ok
+        (`changed` if any worker changed something). A worker that does not answer is killed."""
+        with trio.move_on_after(REQUEST_TIMEOUT):
+            while not any(w.client is not None for w in self.workers):
+                await trio.sleep(0.05)
+        targets = [w for w in self.workers if w.client is not None]
+        if not targets:
+            raise Unavailable("the proxy is not running")
+        replies: list[control.ControlReply] = []
+
+        async def one(worker: _Worker, client: ChannelClient) -> None:
+            try:
+                with trio.fail_after(REQUEST_TIMEOUT):
+                    replies.append(await client.request(message, listener=listener))
+            except _CHANNEL_ERRORS as exc:
+                # Its state may now differ from the others': it restarts with the whole state.
+                worker.kill(f"did not apply {type(message).__struct_config__.tag}: {exc}")
+
+        async with trio.open_nursery() as nursery:
+            for worker in targets:
+                assert worker.client is not None
+                nursery.start_soon(one, worker, worker.client)
+        if not replies:
+            raise Unavailable("no proxy worker answered")
+        for reply in replies:
+            if not reply.ok:
+                return reply
+        return control.ControlReply(ok=True, changed=any(r.changed for r in replies))
 
     async def _request(
         self, message: control.ControlMessage, listener: socket.socket | None = None
     ) -> control.ControlReply:
-        with trio.move_on_after(15):
-            await self._ready.wait()
-        client = self.client
-        if client is None:
-            raise Unavailable("the proxy is not running")
-        try:
-            with trio.fail_after(15):
-                return await client.request(message, listener=listener)
-        except (trio.TooSlowError, trio.BrokenResourceError, OSError) as exc:
-            raise Unavailable(f"the proxy did not answer: {exc}") from None
-
-    async def _send_add(self, client: ChannelClient, entry: CrewEntry) -> None:
-        message = control.CrewAdd(
-            name=entry.name,
-            gateway=entry.gateway,
-            mode=entry.mode,
-            allow=entry.allow,
-            listener=True,
-        )
-        reply = await client.request(message, listener=self.listeners[entry.name])
-        if not reply.ok:
-            log.error("proxy refused crew %s on restore: %s", entry.name, reply.error)
+        async with self.lock:
+            return await self._broadcast(message, listener)
 
     def bind(self, gateway: str) -> socket.socket:
-        """A listening socket on the crew's gateway (root binds; the proxy only accepts)."""
+        """A listening socket on the crew's gateway (root binds; the workers only accept)."""
         family = socket.AF_INET6 if ":" in gateway else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -185,56 +287,54 @@ class ProxyChild:
 
     async def add_crew(self, entry: CrewEntry) -> None:
         listener = self.bind(entry.gateway)
-        self.listeners[entry.name] = listener
-        self.crews[entry.name] = entry
         try:
-            reply = await self._request(
-                control.CrewAdd(
-                    name=entry.name,
-                    gateway=entry.gateway,
-                    mode=entry.mode,
-                    allow=entry.allow,
-                    listener=True,
-                ),
-                listener,
-            )
+            async with self.lock:
+                self.listeners[entry.name] = listener
+                self.crews[entry.name] = entry
+                reply = await self._broadcast(_crew_add(entry), listener)
             if not reply.ok:
                 raise Unavailable(f"the proxy refused crew {entry.name!r}: {reply.error}")
         except BaseException:
-            await self.remove_crew(entry.name)
+            with trio.CancelScope(shield=True):
+                await self.remove_crew(entry.name)
             raise
 
     async def remove_crew(self, name: str) -> None:
-        """Idempotent. The proxy ends the crew's connections; our copy of the socket closes."""
-        self.crews.pop(name, None)
-        listener = self.listeners.pop(name, None)
-        try:
-            if self.client is not None:
-                reply = await self._request(control.CrewRemove(name=name))
-                if not reply.ok:
-                    raise Unavailable(f"the proxy refused to remove crew {name!r}: {reply.error}")
-        finally:
-            if listener is not None:
-                listener.close()
+        """Idempotent. The workers end the crew's connections; our copy of the socket closes."""
+        async with self.lock:
+            self.crews.pop(name, None)
+            listener = self.listeners.pop(name, None)
+            try:
+                if any(w.client is not None for w in self.workers):
+                    reply = await self._broadcast(control.CrewRemove(name=name))
+                    if not reply.ok:
+                        raise Unavailable(
+                            f"the proxy refused to remove crew {name!r}: {reply.error}"
+                        )
+            finally:
+                if listener is not None:
+                    listener.close()
 
     async def allow(self, name: str, host: str) -> bool:
-        entry = self.crews.get(name)
-        if entry is not None and host not in entry.allow:
-            self.crews[name] = msgspec.structs.replace(entry, allow=(*entry.allow, host))
-        reply = await self._request(control.AllowHost(crew=name, host=host))
+        async with self.lock:
+            entry = self.crews.get(name)
+            if entry is not None and host not in entry.allow:
+                self.crews[name] = msgspec.structs.replace(entry, allow=(*entry.allow, host))
+            reply = await self._broadcast(control.AllowHost(crew=name, host=host))
         if not reply.ok:
             raise Unavailable(f"the proxy refused {host!r} for crew {name!r}: {reply.error}")
         return reply.changed
 
     async def set_audit_paused(self, paused: bool) -> None:
         """Refuse (or serve again) every crew's traffic while the journal cannot record it."""
-        self.audit_paused = paused
-        reply = await self._request(control.AuditPaused(paused=paused))
+        async with self.lock:
+            self.audit_paused = paused
+            reply = await self._broadcast(control.AuditPaused(paused=paused))
         if not reply.ok:
             raise Unavailable(f"the proxy refused audit_paused={paused}: {reply.error}")
 
     async def set_credentials(self, crews: dict[str, dict[str, str]]) -> None:
-        """Replace every crew's store credentials in the running proxy (the whole map)."""
+        """Replace every crew's store credentials in every worker (the whole map)."""
         reply = await self._request(control.CredentialsSet(crews=crews))
         if not reply.ok:
             raise Unavailable(f"the proxy refused the credentials: {reply.error}")
@@ -244,3 +344,9 @@ class ProxyChild:
             return (await self._request(control.Ping())).ok
         except Unavailable:
             return False
+
+
+def _crew_add(entry: CrewEntry) -> control.CrewAdd:
+    return control.CrewAdd(
+        name=entry.name, gateway=entry.gateway, mode=entry.mode, allow=entry.allow, listener=True
+    )

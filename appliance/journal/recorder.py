@@ -10,25 +10,25 @@ journal it records nothing, so CrewManager works unchanged in tests that do not 
   is full they wait for room (the control plane may wait; only the proxy must not).
 - `run()` wraps an exec's event stream: run.started before the first output, then exactly one of
   run.completed / run.timeout / run.failed / run.cancelled, all sharing the run id as trace id.
-- `ingest_proxy_events()` follows the proxy's JSON-lines event file (the proxy writes it in
-  batches from its own task, never blocking a request) and turns each event into an entry. The
-  file is the buffer between the two processes: when the journal's queue is full the ingester
-  waits and reads on later, nothing is dropped. Its read position is stored in the journal in the
-  same transaction as the entries read, so a crash neither skips nor repeats an event. When the
-  backlog (file bytes not yet journaled) passes BACKLOG_HIGH, or the queue is full, it calls
-  `on_backpressure(True)`: applianced then tells the proxy to refuse crew traffic (503
-  audit_unavailable) until the backlog is under BACKLOG_LOW (`on_backpressure(False)`).
+- `ingest_proxy_channel()` reads one proxy worker's events channel (the worker sends JSON-lines
+  batches from its own task, never blocking a request: proxycore/events.py `ChannelSink`) and
+  turns each event into an entry. When the journal's queue is full it stops reading and calls
+  `on_backpressure(True)`: applianced tells every worker to refuse crew traffic (503
+  audit_unavailable); `watch_backpressure()` serves them again once the queue is under half
+  full. Meanwhile events wait in the socket and in the worker's queue; a worker whose queue is
+  half full refuses crew traffic on its own (`EventSink.backlogged`), so nothing is served that
+  could not be recorded. What an applianced crash loses: the events in flight (the worker's
+  queue, at most one flush interval, 50 ms, plus the socket's buffer), since the workers exit
+  with it; docs/journal.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -41,12 +41,11 @@ from .store import Journal, JournalFull
 
 log = logging.getLogger("applianced.journal")
 
-PROXY_SOURCE = "proxy-events"
 FULL_RETRY = 0.05
-# The proxy's traffic is refused while the unjournaled part of its event file is above HIGH
-# bytes (or the journal's queue is full), and served again once it is under LOW.
-BACKLOG_HIGH = 4 << 20
-BACKLOG_LOW = 1 << 20
+RESUME_QUIET = 0.5
+# An event line longer than this (without its newline) is not an event: journaled as unreadable.
+MAX_EVENT_LINE = 1 << 20
+UNREADABLE_EVENT = "an event line was redacted or unreadable"
 
 _PAST = {"grant": "granted", "revoke": "revoked", "rotate": "rotated"}
 
@@ -114,6 +113,7 @@ class JournalRecorder:
         self.journal = journal
         self.on_backpressure = on_backpressure
         self.backpressure = False
+        self._last_full = float("-inf")
 
     async def _signal(self, paused: bool) -> None:
         if paused == self.backpressure:
@@ -228,75 +228,72 @@ class JournalRecorder:
 
     # -- the proxy's events ----------------------------------------------------------------
 
-    async def ingest_proxy_events(
+    async def ingest_proxy_channel(self, stream: trio.SocketStream, worker: int = 0) -> None:
+        """Journal one proxy worker's events, read from its events channel until EOF."""
+        journal = self.journal
+        decoder = msgspec.json.Decoder(pe.AnyEvent)
+        buffer = bytearray()
+        async with stream:
+            while True:
+                try:
+                    data = await stream.receive_some(1 << 16)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    if buffer.strip():  # a last line cut short: the worker died mid-write
+                        await self._submit(journal, E.ProxyNotice(message=UNREADABLE_EVENT))
+                    return
+                buffer += data
+                end = buffer.rfind(b"\n")
+                if end < 0:
+                    if len(buffer) > MAX_EVENT_LINE:
+                        await self._submit(journal, E.ProxyNotice(message=UNREADABLE_EVENT))
+                        buffer.clear()
+                    continue
+                lines = bytes(buffer[: end + 1]).splitlines()
+                del buffer[: end + 1]
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    try:
+                        entry = from_proxy_event(decoder.decode(line))
+                    except msgspec.DecodeError:
+                        # The scrubber replaced a line whole, or a line is damaged: say so.
+                        entry = E.ProxyNotice(message=UNREADABLE_EVENT)
+                    await self._submit(journal, entry)
+
+    async def _submit(self, journal: Journal | None, entry: E.Entry) -> None:
+        """Queue without waiting for the disk; when the queue is full, refuse crew traffic and
+        wait for room (the worker's own queue holds what arrives meanwhile)."""
+        if journal is None:
+            return
+        while True:
+            try:
+                journal.submit(entry)
+                return
+            except JournalFull:
+                self._last_full = trio.current_time()
+                await self._signal(True)
+                await trio.sleep(FULL_RETRY)
+
+    async def watch_backpressure(
         self,
-        path: Path,
         *,
         interval: float = 0.1,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Serve crews again once the journal's queue is under half full and has not been full
+        for RESUME_QUIET seconds (so that a burst does not flip every worker back and forth)."""
+        task_status.started()
         journal = self.journal
         if journal is None:
-            task_status.started()
             await trio.sleep_forever()
             return
-        assert journal is not None
-        position = await trio.to_thread.run_sync(journal.cursor, PROXY_SOURCE)
-        decoder = msgspec.json.Decoder(pe.AnyEvent)
-        task_status.started()
         while True:
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                size = 0
-            if size < position:  # the file was replaced or truncated: start over
-                position = 0
-            if size > position:
-                before = position
-                position = await self._ingest_chunk(journal, path, position, decoder)
-                backlog = size - position
-                if backlog > BACKLOG_HIGH:
-                    await self._signal(True)
-                elif backlog < BACKLOG_LOW and journal.pending < journal.capacity // 2:
-                    await self._signal(False)
-                if backlog and position > before:
-                    continue  # more whole lines to read now
-            elif journal.pending < journal.capacity // 2:
-                await self._signal(False)
             await trio.sleep(interval)
-
-    async def _ingest_chunk(
-        self,
-        journal: Journal,
-        path: Path,
-        position: int,
-        decoder: msgspec.json.Decoder[pe.AnyEvent],
-    ) -> int:
-        with open(path, "rb") as file:
-            file.seek(position)
-            data = file.read(1 << 20)
-        end = data.rfind(b"\n")
-        if end < 0:
-            return position  # half a line: the rest is still being written
-        lines = data[: end + 1].splitlines(keepends=True)
-        offset = position
-        last: Any = None
-        for line in lines:
-            offset += len(line)
-            if not line.strip():
-                continue
-            try:
-                entry = from_proxy_event(decoder.decode(line))
-            except msgspec.DecodeError:
-                # The scrubber replaced a line whole, or a line is damaged: say so, never skip.
-                entry = E.ProxyNotice(message="an event line was redacted or unreadable")
-            while True:
-                try:
-                    last = journal.submit(entry, cursor=(PROXY_SOURCE, offset))
-                    break
-                except JournalFull:
-                    await self._signal(True)
-                    await trio.sleep(FULL_RETRY)
-        if last is not None:
-            await trio.to_thread.run_sync(last.wait, 30.0)
-        return offset
+            if (
+                self.backpressure
+                and journal.pending < journal.capacity // 2
+                and trio.current_time() - self._last_full >= RESUME_QUIET
+            ):
+                await self._signal(False)

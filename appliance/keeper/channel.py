@@ -6,20 +6,23 @@ The proxy worker forwards the keeper routes of a crew's local API here (proxycor
 Two independent checks admit a connection, both before a byte of the request is read:
 
 1. SO_PEERCRED: the kernel's record of the connecting process (pid, uid, gid), which the peer
-   cannot forge; `peer_allowed` decides (applianced: the pid of its proxy child, or its uid
-   when the worker runs under its own UID). Anything else is closed at once.
+   cannot forge; `peer_allowed` decides (applianced: the pid is one of its running proxy
+   workers', and uid and gid are the workers' own). Anything else is closed at once.
 2. `X-Internal-Token`: a 256-bit token generated at every start of applianced, known only to
    it and to the worker (sent over their socketpair), compared with `hmac.compare_digest` so the
    comparison's time says nothing about how much of a guess was right.
 
-The socket file is 0600 (owned by the worker's UID when it has one), inside applianced's 0700
-state directory. Then one HTTP/1.1 exchange per connection: `POST /internal/keeper/request` or
-`/internal/keeper/execute` with the crew in `X-Crew` (the worker took it from the gateway), the
-agent's JSON body passed on to `KeeperService.handle`, and its answer as JSON.
+The socket file is 0660 root:<workers' gid> in a directory 0750 root:<workers' gid> of its own
+under `[daemon] run_dir` (the workers cannot enter applianced's 0700 state directory; nobody
+else can enter this one). Then one HTTP/1.1 exchange per connection: `POST
+/internal/keeper/request` or `/internal/keeper/execute` with the crew in `X-Crew` (the worker took
+it from the gateway), the agent's JSON body passed on to `KeeperService.handle`, and its answer
+as JSON.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -73,10 +76,17 @@ class KeeperChannel:
 
     async def serve(
         self,
-        owner_uid: int | None = None,
+        worker_ids: tuple[int, int] | None = None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Listen at `self.path`; with `worker_ids` (the proxy workers' uid, gid) its directory
+        is made 0750 root:gid and the socket 0660 root:gid, so that only root and the workers'
+        group can even connect (and then SO_PEERCRED and the token decide)."""
+        directory = self.path.parent
+        directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)  # closed while it is prepared
         self.path.unlink(missing_ok=True)
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # created 0600: never a moment with wider rights
@@ -84,8 +94,12 @@ class KeeperChannel:
             await listener.bind(str(self.path))
         finally:
             os.umask(old)
-        if owner_uid is not None:
-            os.chown(self.path, owner_uid, -1)
+        if worker_ids is not None:
+            gid = worker_ids[1]
+            os.chown(self.path, 0, gid)
+            os.chmod(self.path, 0o660)
+            os.chown(directory, 0, gid)
+            os.chmod(directory, 0o750)  # noqa: S103 (group: the workers' own gid)
         listener.listen(64)
         try:
             async with trio.open_nursery() as nursery:
@@ -96,6 +110,8 @@ class KeeperChannel:
         finally:
             listener.close()
             self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
     async def _serve_one(self, conn: trio.socket.SocketType) -> None:
         stream = trio.SocketStream(conn)

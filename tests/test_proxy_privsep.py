@@ -1,0 +1,239 @@
+"""The proxy's privilege separation, through a real applianced and a real Docker crew.
+
+applianced starts `[proxy] workers` worker processes that drop to UID/GID 1002 with every
+capability set empty and no_new_privs (appliance/hardening.py). These tests read what the kernel
+says about each worker (/proc/PID/status), try to reach a worker's memory and the credential store
+from inside a crew and, on the host, from another process of the workers' own UID, and check that
+the workers share the crews' connections and that one worker's death leaves the crew served.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from appliance.daemon.config import load_config
+from appliance.daemon.main import KEEPER_SOCKET, keeper_dir
+from appliance.demo_upstream import FakeServer
+from appliance.hardening import CAPABILITY_FIELDS, process_status
+from tests.conftest import ROOT, proxy_env
+from tests.daemon_support import Appliance
+
+pytestmark = pytest.mark.docker
+
+WORKER_UID = 1002
+# A Python that UID 1002 may run (the test's own may live under /root, 0700).
+SYSTEM_PYTHON = "/usr/bin/python3"
+STORE_KEY = "8899aabbccddeeff00112233445566778899aabbccddeeff0011223344556677"
+STORED_VALUE = "sk-ant-api03-PRIVSEP-stored-0123456789abcdef"
+
+
+def as_worker_uid(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run argv on the host as UID/GID 1002: any other process of the workers' own UID."""
+
+    def become() -> None:
+        os.setgroups([])
+        os.setresgid(WORKER_UID, WORKER_UID, WORKER_UID)
+        os.setresuid(WORKER_UID, WORKER_UID, WORKER_UID)
+
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, preexec_fn=become)
+
+
+KEEPER_KNOCK = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+sock.settimeout(10)
+try:
+    sock.sendall(b"POST /internal/keeper/request HTTP/1.1\\r\\nHost: x\\r\\n"
+                 b"Content-Length: 2\\r\\n\\r\\n{}")
+    print("closed" if sock.recv(100) == b"" else "answered")
+except ConnectionResetError:
+    print("reset")
+"""
+
+
+def status(app: Appliance) -> dict:
+    code, answer = app.ctl_json("status")
+    assert code == 0, answer
+    return dict(answer)
+
+
+def wait_workers(app: Appliance, count: int, not_in: tuple[int, ...] = ()) -> tuple[int, ...]:
+    deadline = time.monotonic() + 30
+    while True:
+        pids = tuple(status(app)["proxy_pids"])
+        if len(pids) == count and not set(pids) & set(not_in):
+            return pids
+        assert time.monotonic() < deadline, (pids, app.log_text()[-3000:])
+        time.sleep(0.1)
+
+
+def worker_ids_and_caps(pid: int) -> dict[str, str]:
+    fields = process_status(pid)
+    return {key: fields[key] for key in ("Uid", "Gid", "Groups", "NoNewPrivs", *CAPABILITY_FIELDS)}
+
+
+UNPRIVILEGED = {
+    "Uid": "1002\t1002\t1002\t1002",
+    "Gid": "1002\t1002\t1002\t1002",
+    "Groups": "",
+    "NoNewPrivs": "1",
+    **{field: "0000000000000000" for field in CAPABILITY_FIELDS},
+}
+
+
+def test_workers_are_unprivileged_and_out_of_a_crews_reach(
+    appliance: Appliance, provider: FakeServer
+) -> None:
+    app = appliance
+    app.start(env={"ENCRYPTION_KEY": STORE_KEY})
+    pids = wait_workers(app, 2)
+    assert status(app)["proxy_uid"] == WORKER_UID
+    for pid in pids:
+        # What the kernel says, for every worker: UID 1002 (real, effective, saved, fs), no
+        # supplementary group, five empty capability sets, no_new_privs.
+        assert worker_ids_and_caps(pid) == UNPRIVILEGED, pid
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--drop-to" in cmdline and b"1002:1002" in cmdline
+
+    # A credential in the store, granted to the crew: the workers hold its value in memory.
+    stored = subprocess.run(
+        [*app.ctl_argv(), "cred", "add", "claude", "--provider", "anthropic"],
+        input=STORED_VALUE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=proxy_env(),
+        cwd=ROOT,
+    )
+    assert stored.returncode == 0, stored.stderr
+    crew = app.crew("privsep")
+    code, created = app.ctl_json("crew", "create", crew)
+    assert code == 0, (created, app.log_text())
+    gateway = created["crew"]["gateway"]
+    assert app.ctl("cred", "grant", "claude", crew).returncode == 0
+    # The worker does inject it (so it is in a worker's memory)...
+    provider.clear()
+    done = app.ctl(
+        "run", crew, "--", "sh", "-c",
+        f"printf 'GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n"
+        f"\\r\\n' | nc -w 5 {gateway} {app.port}",
+    )  # fmt: skip
+    assert " 200 " in done.stdout, (done.stdout, done.stderr)
+    assert provider.last().all("x-api-key") == [STORED_VALUE]
+
+    # ...and from inside the crew neither a worker nor the store can be reached: the crew's PID
+    # namespace has no worker in it, its mount namespace has no state directory, no keeper
+    # socket, and the crew's user (1001, no capabilities) could not read them anyway.
+    state = app.state_dir
+    keeper = keeper_dir(load_config(app.config)) / KEEPER_SOCKET
+    assert keeper.exists()
+    probe = " ; ".join(
+        [
+            *(f"cat /proc/{pid}/status >/dev/null 2>&1 && echo SEEN-{pid}" for pid in pids),
+            *(f"head -c1 /proc/{pid}/mem >/dev/null 2>&1 && echo MEM-{pid}" for pid in pids),
+            f"ls {state} >/dev/null 2>&1 && echo STATE",
+            f"head -c1 {state}/credentials.db >/dev/null 2>&1 && echo STORE",
+            f"test -e {keeper} && echo KEEPER",
+            "grep -l '^Uid:.*1002' /proc/[0-9]*/status 2>/dev/null | sed 's/^/UID1002 /'",
+            f"grep -rl {STORED_VALUE} /proc/[0-9]*/environ 2>/dev/null | sed 's/^/VALUE /'",
+            "echo probed",
+        ]
+    )
+    done = app.ctl("run", crew, "--", "sh", "-c", probe)
+    assert done.returncode == 0 and done.stdout.strip() == "probed", done.stdout
+
+    # On the host, another process with the workers' very UID: the workers are not dumpable
+    # (their /proc files are root's, ptrace refused), and the state directory is root's 0700.
+    for pid in pids:
+        for name in ("mem", "environ", "maps"):
+            read = as_worker_uid("head", "-c1", f"/proc/{pid}/{name}")
+            assert read.returncode != 0 and "Permission denied" in read.stderr, (name, read)
+    read = as_worker_uid("head", "-c1", str(state / "credentials.db"))
+    assert read.returncode != 0 and "Permission denied" in read.stderr, read
+    assert (state.stat().st_mode & 0o777) == 0o700
+    # The keeper socket admits the workers' group, and then only a worker's pid: a process of
+    # their UID that is not a worker is closed on before a byte is read.
+    answer = as_worker_uid(SYSTEM_PYTHON, "-c", KEEPER_KNOCK, str(keeper))
+    assert answer.stdout.strip() in ("closed", "reset"), answer
+    assert "keeper channel: refused peer" in app.log_text()
+
+
+def test_workers_share_connections_and_survive_one_death(appliance: Appliance) -> None:
+    app = appliance
+    app.start()
+    crew = app.crew("share")
+    code, created = app.ctl_json("crew", "create", crew)
+    assert code == 0, (created, app.log_text())
+    gateway = created["crew"]["gateway"]
+    pids = wait_workers(app, 2)
+
+    # Open connections to the crew's gateway from the host and see, with ss, which process
+    # accepted each: both workers take connections from the one listening socket.
+    held: list[socket.socket] = []
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection((gateway, app.port), timeout=10)
+        # One request each, so the connection is accepted (and answered) by a worker.
+        sock.sendall(b"GET http://unlisted.test/ HTTP/1.1\r\nHost: unlisted.test\r\n\r\n")
+        sock.recv(65536)
+        return sock
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            held = list(pool.map(lambda _: connect(), range(64)))
+        owners = accepted_by(app.port)
+        assert set(owners) == set(pids), (owners, pids)
+        assert sum(owners.values()) >= 64
+    finally:
+        for sock in held:
+            sock.close()
+
+    # Kill one worker: the other serves the crew at once; the killed one comes back
+    # unprivileged, with the crew (its listener and policy) restored.
+    os.kill(pids[0], signal.SIGKILL)
+    refused = subprocess.run(
+        ["curl", "-sS", "--noproxy", "", "--max-time", "10", "-x", f"http://{gateway}:{app.port}",
+         "http://unlisted.test/"],
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert "egress_denied" in refused.stdout, refused
+    new = wait_workers(app, 2, not_in=(pids[0],))
+    assert pids[1] in new
+    restarted = next(pid for pid in new if pid != pids[1])
+    assert worker_ids_and_caps(restarted) == UNPRIVILEGED
+    os.kill(pids[1], signal.SIGSTOP)  # only the restarted worker can answer now
+    try:
+        refused = subprocess.run(
+            ["curl", "-sS", "--noproxy", "", "--max-time", "10", "-x",
+             f"http://{gateway}:{app.port}", "http://unlisted.test/"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+        assert "egress_denied" in refused.stdout and crew in refused.stdout, refused
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert status(app)["proxy_restarts"] >= 1
+
+
+def accepted_by(port: int) -> dict[int, int]:
+    """pid -> established connections on local port `port` (from ss's process column)."""
+    out = subprocess.run(
+        ["ss", "-Htnp", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    owners: dict[int, int] = {}
+    for line in out.splitlines():
+        for part in line.split("pid=")[1:]:
+            pid = int(part.split(",", 1)[0])
+            owners[pid] = owners.get(pid, 0) + 1
+    return owners
