@@ -512,6 +512,21 @@ class CredentialStore:
             verified.append(Grant(crew=crew, agent=agent or None, granted=float(granted)))
         return verified, refused
 
+    def values_to_scrub(self) -> list[tuple[str, SecretValue]]:
+        """(name, value) of every credential whose value authenticates, whatever its access
+        state: what must never reach an agent or the journal (scrubbing more is safe; a
+        credential refused for use is still a secret). The caller wipes them."""
+        out: list[tuple[str, SecretValue]] = []
+        for raw in self._db.execute(_SELECT + " ORDER BY name").fetchall():
+            row = _parse(tuple(raw))
+            if row is None:
+                continue
+            try:
+                out.append((row.name, self._open(row)))
+            except TamperedRecord:
+                continue
+        return out
+
     def info(self, name: str) -> CredentialInfo:
         return self._info(self._raw(name))
 
