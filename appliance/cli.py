@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_UNREACHABLE = 3, 4, 5
 EXIT_TAMPERED = 6
+EXIT_NOT_IN_EFFECT = 7  # a credential change stored, not confirmed by the running proxy (502)
 EXIT_TIMED_OUT = 124  # as timeout(1)
 
 
@@ -391,6 +392,8 @@ def _admin(
 
 
 def _exit_for_status(status: int) -> int:
+    if status == 502:
+        return EXIT_NOT_IN_EFFECT
     if status == 404:
         return EXIT_NOT_FOUND
     if status == 409:
@@ -740,10 +743,15 @@ def _read_value(args: argparse.Namespace, out: _Output) -> bytes | None:
 
 def _cred_line(cred: dict[str, Any]) -> str:
     grants = ",".join(g["crew"] + (f"/{g['agent']}" if g["agent"] else "") for g in cred["grants"])
-    state = "revoked" if cred["revoked"] else "active"
+    state = "TAMPERED" if cred.get("tampered") else "revoked" if cred["revoked"] else "active"
+    refused = "; ".join(
+        f"{r['crew']}" + (f"/{r['agent']}" if r["agent"] else "") + f" ({r['reason']})"
+        for r in cred.get("refused", ())
+    )
     return (
         f"{cred['name']:<20} {cred['provider']:<10} {cred['kind']:<11} {cred['level']:<5} "
-        f"{cred['version']:<3} {state:<7} {grants or '-'}"
+        f"{cred['version']:<3} {state:<8} {grants or '-'}"
+        + (f"  REFUSED: {refused}" if refused else "")
     )
 
 
@@ -774,11 +782,19 @@ def cmd_cred_ls(args: argparse.Namespace, out: _Output) -> int:
     if code:
         return code
     header = (
-        f"{'NAME':<20} {'PROVIDER':<10} {'KIND':<11} {'LEVEL':<5} {'VER':<3} {'STATE':<7} GRANTS"
+        f"{'NAME':<20} {'PROVIDER':<10} {'KIND':<11} {'LEVEL':<5} {'VER':<3} {'STATE':<8} GRANTS"
     )
     human = "\n".join([header, *(_cred_line(c) for c in listing["credentials"])])
-    out.result(human, {"ok": True, **listing})
-    return EXIT_OK
+    # A record or grant that does not verify is never used; the listing exits 6 (as `journal
+    # verify` does) so that a script notices.
+    bad = [c["name"] for c in listing["credentials"] if c.get("tampered") or c.get("refused")]
+    if bad:
+        human += (
+            f"\n{len(bad)} credential(s) with a record or grant that does not verify (never "
+            f"used): {', '.join(bad)}; see docs/credentials.md"
+        )
+    out.result(human, {"ok": not bad, **listing})
+    return EXIT_TAMPERED if bad else EXIT_OK
 
 
 def cmd_cred_grant(args: argparse.Namespace, out: _Output) -> int:

@@ -11,6 +11,7 @@ from .errors import (
     CredStoreError,
     InvalidCredential,
     KeyUnusable,
+    TamperedGrant,
     TamperedRecord,
     WrongKey,
 )
@@ -23,6 +24,7 @@ from .store import (
     Grant,
     Kind,
     Level,
+    RefusedGrant,
 )
 
 __all__ = [
@@ -38,7 +40,9 @@ __all__ = [
     "KeyUnusable",
     "Kind",
     "Level",
+    "RefusedGrant",
     "SecretValue",
+    "TamperedGrant",
     "TamperedRecord",
     "WrongKey",
     "key_from_env",

@@ -36,8 +36,35 @@ class TamperedRecord(CredStoreError):
         self.name = name
         super().__init__(
             f"credential {name!r} does not authenticate: its record was altered (ciphertext, "
-            "nonce or identity) or was written with another key; rotate it to replace it"
+            "nonce, identity or sealed access state) or was written with another key; rotate "
+            "it to replace it"
         )
+
+
+class TamperedGrant(CredStoreError):
+    """A grant row that would let a crew use a credential does not verify (forged, edited,
+    copied from another credential, replayed from before a revocation, or unsealed): refused."""
+
+    status = 500
+    code = "grant_tampered"
+
+    def __init__(self, name: str, crew: str, agent: str | None, reason: str) -> None:
+        self.name = name
+        self.crew = crew
+        self.agent = agent
+        self.reason = reason
+        who = f"crew {crew!r}" + (f" (agent {agent!r})" if agent else "")
+        if reason == "unsealed":
+            remedy = (
+                "it carries no seal (it predates sealed grants, or its seal was removed); "
+                "if it is genuine, grant it again"
+            )
+        else:
+            remedy = (
+                f"it {reason}: it was added or altered without the store key; revoke it, and "
+                "grant it again if it is genuine"
+            )
+        super().__init__(f"grant of credential {name!r} to {who} is refused: {remedy}")
 
 
 class InvalidCredential(CredStoreError):

@@ -205,9 +205,10 @@ class AdminServer:
             only("GET")
             return await self._journal(parts[1:], target, stream, conn)
         if parts[0] == "credentials":
-            status, reply = await self.daemon.credentials_api.handle(method, parts, body)
-            if method == "POST" and isinstance(reply, messages.CredentialInfo):
-                await self.daemon.recorder.credential_changed(reply.name, parts, reply.provider)
+            # The endpoints journal their changes themselves: a change stored whose push to
+            # the proxy then fails is journaled too (appliance/daemon/credentials.py).
+            api = self.daemon.credentials_api
+            status, reply = await api.handle(method, parts, body, self.daemon.recorder)
             return _Reply(status, reply)
         if parts == ["net"]:
             only("GET")

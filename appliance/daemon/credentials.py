@@ -13,16 +13,34 @@ socketpair) before it answers, so when `appliancectl cred rotate` returns, the n
 upstream carries the new key. The proxy child asks for the map again after every restart
 (ProxyPool.credentials_source). The decrypted values are wiped as soon as the message is encoded;
 applianced holds no plaintext between pushes.
+
+A change whose push fails
+-------------------------
+The store is committed first and `credential.changed` journaled at once: the change happened,
+whatever the proxy does next. The push then has PUSH_TIMEOUT seconds. If the proxy refuses the
+map, does not answer in time (stopped, wedged, restarting) or is not running, the proxy's state
+is unknown, and for a revoke or a rotate it may still inject the old value. So applianced kills
+it (SIGKILL through a pidfd, after checking the pid is still its own proxy child): its
+supervisor starts a new one, which reads the whole map from the store before it serves any crew
+(ProxyChild.run); a request that timed out also leaves the control channel out of step, which
+only a new channel cures. Then `credential.push_failed` is journaled (the error, the pid killed):
+an auditor sees the window between the change and the kill. The operator's command fails with
+502 `not_in_effect` (appliancectl exit 7): stored, journaled, not confirmed by the running proxy.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import trio
 
-from appliance.credstore import CredentialStore, CredStoreError, SecretValue
+from appliance.credstore import CredentialInfo, CredentialStore, CredStoreError, SecretValue
+from appliance.journal.recorder import JournalRecorder
 from native.scrub import Scrubber
 
 from . import messages
@@ -33,6 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("applianced.credentials")
 
+# How long a push may take before the proxy is declared not to have taken it. A healthy proxy
+# answers in milliseconds; this also covers a push that lands while the proxy restarts (1 s
+# delay, then its start-up).
+PUSH_TIMEOUT = 5.0
+
 
 class CredentialError(DaemonError):
     """A credential store error as the admin API answers it (status and code carried over)."""
@@ -41,6 +64,14 @@ class CredentialError(DaemonError):
         self.status = error.status
         self.code = error.code
         super().__init__(str(error))
+
+
+class ChangeNotInEffect(DaemonError):
+    """The change is in the store and the journal, but the running proxy did not confirm it;
+    it was killed so that it cannot keep serving the previous map (see the module's theory)."""
+
+    status = 502
+    code = "not_in_effect"
 
 
 def info_message(info: Any) -> messages.CredentialInfo:
@@ -65,19 +96,65 @@ def stored_scrubber(store: CredentialStore) -> Scrubber:
     """A scrubber that knows every value in the store (and the default shapes): for what
     applianced writes itself, the journal first (a command line an operator typed a key into)."""
     secrets: list[tuple[str, bytes]] = []
-    for info in store.list():
-        value = store.value(info.name)
+    for name, value in store.values_to_scrub():
         try:
-            secrets.append((info.name, value.reveal()))
+            secrets.append((name, value.reveal()))
         finally:
             value.wipe()
     return Scrubber(secrets)
+
+
+def report_refusals(infos: list[CredentialInfo]) -> int:
+    """Log every credential and grant the store refuses (names only); how many."""
+    count = 0
+    for info in infos:
+        if info.tampered:
+            count += 1
+            log.error(
+                "credential %s does not authenticate: refused for every crew until rotated",
+                info.name,
+            )
+        for bad in info.refused:
+            count += 1
+            who = bad.crew + (f"/{bad.agent}" if bad.agent else "")
+            log.error(
+                "credential %s: grant to %s refused (%s); `appliancectl cred ls` lists it",
+                info.name,
+                who,
+                bad.reason,
+            )
+    return count
+
+
+def kill_proxy(pid: int | None) -> int | None:
+    """SIGKILL the proxy `pid` if it is still applianced's own proxy child; the pid killed, or
+    None. A pidfd pins the process between the check and the signal, so a pid recycled after
+    the proxy exited is never signalled."""
+    if pid is None:
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if parent != os.getpid() or b"proxy" not in cmdline:
+            return None
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(pidfd)
+    return pid
 
 
 class CredentialsApi:
     def __init__(self, store: CredentialStore, proxy: ProxyPool) -> None:
         self.store = store
         self.proxy = proxy
+        self.push_timeout = PUSH_TIMEOUT
         # Where the store's values must be scrubbed too (the journal): given a fresh scrubber
         # at start and after every change.
         self.scrubbed: list[Any] = []
@@ -86,27 +163,71 @@ class CredentialsApi:
         return proxy_map(self.store)
 
     def refresh_scrubbers(self) -> None:
+        """At start and after every change: new scrubbers, and the store's refusals logged."""
         scrubber = stored_scrubber(self.store)
         for holder in self.scrubbed:
             holder.scrubber = scrubber  # one attribute store: readers see the old or the new
+        report_refusals(self.store.list())
 
-    async def push(self, name: str) -> None:
+    async def push(
+        self,
+        info: CredentialInfo,
+        action: str,
+        recorder: JournalRecorder,
+        *,
+        crew: str | None = None,
+        agent: str | None = None,
+    ) -> None:
+        """The whole map to the running proxy; ChangeNotInEffect (after killing the proxy and
+        journaling why) if it does not confirm within `push_timeout`."""
         self.refresh_scrubbers()
-        try:
-            await self.proxy.set_credentials(self.source())
-        except Unavailable as exc:
-            raise Unavailable(
-                f"credential {name!r}: saved in the store, but the running proxy did not take "
-                f"the change ({exc}); it gets it when it restarts"
-            ) from None
+        error: str | None = None
+        with trio.move_on_after(self.push_timeout) as deadline:
+            try:
+                await self.proxy.set_credentials(self.source())
+            except Unavailable as exc:
+                error = str(exc)
+        if deadline.cancelled_caught:
+            error = f"the proxy did not answer within {self.push_timeout:g} s"
+        if error is None:
+            return
+        killed = kill_proxy(self.proxy.pid)
+        await recorder.credential_push_failed(
+            info.name, action, error, proxy_killed=killed, crew=crew, agent=agent
+        )
+        if killed is not None:
+            after = (
+                f"applianced killed the proxy (pid {killed}) so that it cannot keep using the "
+                "previous credentials; its successor reads them from the store before it "
+                "serves any crew"
+            )
+        else:
+            after = "no proxy is running; the next one reads the store before it serves any crew"
+        log.error(
+            "credential %s %s: the proxy did not confirm (%s); %s", info.name, action, error, after
+        )
+        raise ChangeNotInEffect(
+            f"credential {info.name!r} {action} in the store (and journaled), but the running "
+            f"proxy did not confirm it ({error}): {after}"
+        )
 
-    async def handle(self, method: str, parts: list[str], body: bytes) -> tuple[int, Any]:
+    async def handle(
+        self,
+        method: str,
+        parts: list[str],
+        body: bytes,
+        recorder: JournalRecorder | None = None,
+    ) -> tuple[int, Any]:
+        """One credential endpoint; every change is journaled on `recorder` (none: a recorder
+        without a journal)."""
         try:
-            return await self._handle(method, parts, body)
+            return await self._handle(method, parts, body, recorder or JournalRecorder())
         except CredStoreError as exc:
             raise CredentialError(exc) from None
 
-    async def _handle(self, method: str, parts: list[str], body: bytes) -> tuple[int, Any]:
+    async def _handle(
+        self, method: str, parts: list[str], body: bytes, recorder: JournalRecorder
+    ) -> tuple[int, Any]:
         from .api import _decode, _MethodNotAllowed, _NotFound
 
         store = self.store
@@ -123,29 +244,53 @@ class CredentialsApi:
             log.info(
                 "credential %s added (provider %s, level %s)", info.name, info.provider, info.level
             )
+            await self._journal(recorder, info, "added")
             return 201, info_message(info)
         if len(parts) != 3:
             raise _NotFound("no such endpoint: /v1/" + "/".join(parts))
         name, action = parts[1], parts[2]
         if method != "POST":
             raise _MethodNotAllowed(f"{method} not allowed on /v1/credentials/{name}/{action}")
+        crew: str | None = None
+        agent: str | None = None
         if action == "grant":
             grant = _decode(body, messages.GrantCredential)
-            info = store.grant(name, grant.crew, grant.agent)
-            log.info("credential %s granted to crew %s", name, grant.crew)
+            crew, agent = grant.crew, grant.agent
+            info = store.grant(name, crew, agent)
+            done = "granted"
+            log.info("credential %s granted to crew %s", name, crew)
         elif action == "revoke":
             revoke = _decode(body, messages.RevokeCredential)
-            info = store.revoke(name, revoke.crew, revoke.agent)
-            log.info("credential %s revoked (%s)", name, revoke.crew or "every crew")
+            crew, agent = revoke.crew, revoke.agent
+            info = store.revoke(name, crew, agent)
+            done = "revoked"
+            log.info("credential %s revoked (%s)", name, crew or "every crew")
         elif action == "rotate":
             rotate = _decode(body, messages.RotateCredential)
             with SecretValue(rotate.value) as value:
                 info = store.rotate(name, value, level=rotate.level)
+            done = "rotated"
             log.info("credential %s rotated to version %d", name, info.version)
         else:
             raise _NotFound(f"no such endpoint: /v1/credentials/{name}/{action}")
-        await self.push(name)
+        # Journaled before the push: whatever the proxy does, the store did change.
+        await self._journal(recorder, info, done, crew=crew, agent=agent)
+        await self.push(info, done, recorder, crew=crew, agent=agent)
         return 200, info_message(info)
 
+    @staticmethod
+    async def _journal(
+        recorder: JournalRecorder,
+        info: CredentialInfo,
+        action: str,
+        *,
+        crew: str | None = None,
+        agent: str | None = None,
+    ) -> None:
+        await recorder.credential_changed(
+            info.name, action, provider=info.provider, level=info.level, version=info.version,
+            crew=crew, agent=agent,
+        )  # fmt: skip
 
-__all__ = ["CredentialsApi", "proxy_map"]
+
+__all__ = ["ChangeNotInEffect", "CredentialsApi", "kill_proxy", "proxy_map"]

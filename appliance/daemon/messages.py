@@ -128,6 +128,15 @@ class CredentialGrant(msgspec.Struct, frozen=True):
     granted: float
 
 
+class CredentialRefusedGrant(msgspec.Struct, frozen=True):
+    """A grant row that does not verify (appliance/credstore): never used, shown so the
+    operator can revoke it (or grant it again if it is genuine)."""
+
+    crew: str
+    agent: str | None
+    reason: str
+
+
 class CredentialInfo(msgspec.Struct, frozen=True):
     """Never a value."""
 
@@ -140,6 +149,8 @@ class CredentialInfo(msgspec.Struct, frozen=True):
     rotated: float
     revoked: float | None
     grants: tuple[CredentialGrant, ...]
+    refused: tuple[CredentialRefusedGrant, ...] = ()
+    tampered: bool = False  # the credential's own record does not authenticate
 
 
 class CredentialList(msgspec.Struct, frozen=True):

@@ -177,12 +177,40 @@ class AllowlistChanged(Entry, frozen=True, tag="allowlist.changed"):
 
 
 class CredentialChanged(Entry, frozen=True, tag="credential.changed"):
+    """The store changed (written once the change is committed, before the proxy is told: a
+    failed push cannot hide it). A grant or revoke for one crew carries it in the `crew` and
+    `agent` scope; `credential.push_failed` follows if the running proxy did not confirm."""
+
     name: str
-    action: str  # added | rotated | revoked | granted | removed
+    action: str  # added | rotated | revoked | granted
     provider: str | None = None
+    level: str | None = None
+    version: int | None = None
 
     def summary(self) -> str:
-        return f"credential {self.name} {self.action}"
+        target = f" (crew {self.crew}" + (f", agent {self.agent})" if self.agent else ")")
+        return f"credential {self.name} {self.action}" + (target if self.crew else "")
+
+
+class CredentialPushFailed(Entry, frozen=True, tag="credential.push_failed"):
+    """A change stored (its credential.changed precedes this) that the running proxy did not
+    confirm: from the change until `proxy_killed` took effect, the proxy may still have used
+    the previous map. applianced kills a proxy that does not confirm (`proxy_killed` is its
+    pid; None if none was running); the proxy's supervisor starts a new one, which reads the
+    whole map from the store before it serves a crew."""
+
+    name: str
+    action: str
+    error: str
+    proxy_killed: int | None = None
+
+    def summary(self) -> str:
+        after = (
+            f"proxy {self.proxy_killed} killed, restarts from the store"
+            if self.proxy_killed is not None
+            else "no proxy running; it starts from the store"
+        )
+        return f"credential {self.name} {self.action} not confirmed by the proxy: {after}"
 
 
 class CrewCreated(Entry, frozen=True, tag="crew.created"):
@@ -231,6 +259,7 @@ AnyEntry = (
     | KeeperDecision
     | AllowlistChanged
     | CredentialChanged
+    | CredentialPushFailed
     | CrewCreated
     | CrewRemoved
     | CrewFailed
@@ -255,6 +284,7 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         KeeperDecision,
         AllowlistChanged,
         CredentialChanged,
+        CredentialPushFailed,
         CrewCreated,
         CrewRemoved,
         CrewFailed,

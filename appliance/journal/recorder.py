@@ -47,8 +47,6 @@ RESUME_QUIET = 0.5
 MAX_EVENT_LINE = 1 << 20
 UNREADABLE_EVENT = "an event line was redacted or unreadable"
 
-_PAST = {"grant": "granted", "revoke": "revoked", "rotate": "rotated"}
-
 Backpressure = Callable[[bool], Awaitable[None]]
 
 
@@ -170,11 +168,43 @@ class JournalRecorder:
         if changed:
             await self.record(E.AllowlistChanged(crew=crew, host=host, source="admin"))
 
-    async def credential_changed(self, name: str, parts: list[str], provider: str) -> None:
-        """After a credential endpoint changed the store (`POST /v1/credentials[/NAME/ACTION]`);
-        names and provider only, never a value."""
-        action = "added" if len(parts) == 1 else _PAST.get(parts[-1], parts[-1])
-        await self.record(E.CredentialChanged(name=name, action=action, provider=provider))
+    async def credential_changed(
+        self,
+        name: str,
+        action: str,
+        *,
+        provider: str | None = None,
+        level: str | None = None,
+        version: int | None = None,
+        crew: str | None = None,
+        agent: str | None = None,
+    ) -> None:
+        """After the credential store committed a change (`action`: added, granted, revoked,
+        rotated); names, provider and level only, never a value."""
+        await self.record(
+            E.CredentialChanged(
+                name=name, action=action, provider=provider, level=level, version=version,
+                crew=crew, agent=agent,
+            )
+        )  # fmt: skip
+
+    async def credential_push_failed(
+        self,
+        name: str,
+        action: str,
+        error: str,
+        *,
+        proxy_killed: int | None,
+        crew: str | None = None,
+        agent: str | None = None,
+    ) -> None:
+        """The running proxy did not confirm a stored change (appliance/daemon/credentials.py)."""
+        await self.record(
+            E.CredentialPushFailed(
+                name=name, action=action, error=error, proxy_killed=proxy_killed, crew=crew,
+                agent=agent,
+            )
+        )  # fmt: skip
 
     # -- runs ------------------------------------------------------------------------------
 
