@@ -17,27 +17,23 @@ applianced holds no plaintext between pushes.
 A change whose push fails
 -------------------------
 The store is committed first and `credential.changed` journaled at once: the change happened,
-whatever the proxy does next. The push then has PUSH_TIMEOUT seconds. If the proxy refuses the
-map, does not answer in time (stopped, wedged, restarting) or is not running, the proxy's state
-is unknown, and for a revoke or a rotate it may still inject the old value. So applianced kills
-it (SIGKILL through a pidfd, after checking the pid is still its own proxy child): its
-supervisor starts a new one, which reads the whole map from the store before it serves any crew
-(ProxyChild.run); a request that timed out also leaves the control channel out of step, which
-only a new channel cures. Then `credential.push_failed` is journaled (the error, the pid killed):
-an auditor sees the window between the change and the kill. The operator's command fails with
+whatever the proxy does next. The push then has PUSH_TIMEOUT seconds, per worker. A worker that
+does not answer in time (stopped, wedged) has an unknown state, and after a revoke or a rotate
+it may still inject the old value: the pool kills it (ProxyPool.set_credentials), and its
+successor reads the whole map from the store before it serves any crew (ProxyPool._restore); a
+request that timed out also leaves its control channel out of step, which only a new channel
+cures. If a worker refuses the map or none answers, every worker is killed (kill_all). Then
+`credential.push_failed` is journaled (the error, the pids killed): an auditor sees the window
+between the change and the kill. The operator's command fails with
 502 `not_in_effect` (appliancectl exit 7): stored, journaled, not confirmed by the running proxy.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import trio
 
 from appliance.credstore import CredentialInfo, CredentialStore, CredStoreError, SecretValue
 from appliance.journal.recorder import JournalRecorder
@@ -126,30 +122,6 @@ def report_refusals(infos: list[CredentialInfo]) -> int:
     return count
 
 
-def kill_proxy(pid: int | None) -> int | None:
-    """SIGKILL the proxy `pid` if it is still applianced's own proxy child; the pid killed, or
-    None. A pidfd pins the process between the check and the signal, so a pid recycled after
-    the proxy exited is never signalled."""
-    if pid is None:
-        return None
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (ProcessLookupError, OSError):
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if parent != os.getpid() or b"proxy" not in cmdline:
-            return None
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except (OSError, ValueError, IndexError):
-        return None
-    finally:
-        os.close(pidfd)
-    return pid
-
-
 class CredentialsApi:
     def __init__(self, store: CredentialStore, proxy: ProxyPool) -> None:
         self.store = store
@@ -182,24 +154,27 @@ class CredentialsApi:
         journaling why) if it does not confirm within `push_timeout`."""
         self.refresh_scrubbers()
         error: str | None = None
-        with trio.move_on_after(self.push_timeout) as deadline:
-            try:
-                await self.proxy.set_credentials(self.source())
-            except Unavailable as exc:
-                error = str(exc)
-        if deadline.cancelled_caught:
-            error = f"the proxy did not answer within {self.push_timeout:g} s"
+        killed: tuple[int, ...] = ()
+        try:
+            # Per worker: one that does not answer within push_timeout is killed by the pool.
+            killed = await self.proxy.set_credentials(self.source(), timeout=self.push_timeout)
+            if killed:
+                error = f"proxy worker(s) did not answer within {self.push_timeout:g} s"
+        except Unavailable as exc:
+            # Refused, or nobody answered: no worker is trusted with the previous map.
+            error = str(exc)
+            killed = self.proxy.kill_all("a credential push failed")
         if error is None:
             return
-        killed = kill_proxy(self.proxy.pid)
         await recorder.credential_push_failed(
             info.name, action, error, proxy_killed=killed, crew=crew, agent=agent
         )
-        if killed is not None:
+        if killed:
             after = (
-                f"applianced killed the proxy (pid {killed}) so that it cannot keep using the "
-                "previous credentials; its successor reads them from the store before it "
-                "serves any crew"
+                f"applianced killed the proxy worker(s) that did not confirm (pid "
+                f"{', '.join(map(str, killed))}) so that they cannot keep using the previous "
+                "credentials; their successors read them from the store before they serve any "
+                "crew"
             )
         else:
             after = "no proxy is running; the next one reads the store before it serves any crew"
@@ -293,4 +268,4 @@ class CredentialsApi:
         )  # fmt: skip
 
 
-__all__ = ["ChangeNotInEffect", "CredentialsApi", "kill_proxy", "proxy_map"]
+__all__ = ["ChangeNotInEffect", "CredentialsApi", "proxy_map"]

@@ -70,11 +70,13 @@ class _Worker:
         self.process: trio.Process | None = None
         self.client: ChannelClient | None = None
 
-    def kill(self, why: str) -> None:
+    def kill(self, why: str) -> int | None:
         process = self.process
-        if process is not None and process.returncode is None:
-            log.error("proxy worker %d (pid %d): %s; killing it", self.index, process.pid, why)
-            process.kill()
+        if process is None or process.returncode is not None:
+            return None
+        log.error("proxy worker %d (pid %d): %s; killing it", self.index, process.pid, why)
+        process.kill()
+        return process.pid
 
 
 class ProxyPool:
@@ -235,11 +237,17 @@ class ProxyPool:
                 raise OSError(f"the worker refused the keeper channel: {reply.error}")
 
     async def _broadcast(
-        self, message: control.ControlMessage, listener: socket.socket | None = None
+        self,
+        message: control.ControlMessage,
+        listener: socket.socket | None = None,
+        *,
+        timeout: float = REQUEST_TIMEOUT,
+        killed: list[int] | None = None,
     ) -> control.ControlReply:
         """Send to every running worker (the caller holds self.lock); the first refusal, or ok
-        (`changed` if any worker changed something). A worker that does not answer is killed."""
-        with trio.move_on_after(REQUEST_TIMEOUT):
+        (`changed` if any worker changed something). A worker that does not answer within
+        `timeout` is killed (its pid appended to `killed`): it restarts with the whole state."""
+        with trio.move_on_after(timeout):
             while not any(w.client is not None for w in self.workers):
                 await trio.sleep(0.05)
         targets = [w for w in self.workers if w.client is not None]
@@ -249,11 +257,14 @@ class ProxyPool:
 
         async def one(worker: _Worker, client: ChannelClient) -> None:
             try:
-                with trio.fail_after(REQUEST_TIMEOUT):
+                with trio.fail_after(timeout):
                     replies.append(await client.request(message, listener=listener))
             except _CHANNEL_ERRORS as exc:
-                # Its state may now differ from the others': it restarts with the whole state.
-                worker.kill(f"did not apply {type(message).__struct_config__.tag}: {exc}")
+                # Its state may now differ from the others' (and a late answer would be read
+                # as the answer to the next request): it restarts with the whole state.
+                pid = worker.kill(f"did not apply {type(message).__struct_config__.tag}: {exc}")
+                if pid is not None and killed is not None:
+                    killed.append(pid)
 
         async with trio.open_nursery() as nursery:
             for worker in targets:
@@ -265,6 +276,11 @@ class ProxyPool:
             if not reply.ok:
                 return reply
         return control.ControlReply(ok=True, changed=any(r.changed for r in replies))
+
+    def kill_all(self, why: str) -> tuple[int, ...]:
+        """SIGKILL every running worker (each restarts with the whole state); their pids. The
+        workers are applianced's own unreaped children, so a pid here is never a recycled one."""
+        return tuple(pid for w in self.workers if (pid := w.kill(why)) is not None)
 
     async def _request(
         self, message: control.ControlMessage, listener: socket.socket | None = None
@@ -333,11 +349,20 @@ class ProxyPool:
         if not reply.ok:
             raise Unavailable(f"the proxy refused audit_paused={paused}: {reply.error}")
 
-    async def set_credentials(self, crews: dict[str, dict[str, str]]) -> None:
-        """Replace every crew's store credentials in every worker (the whole map)."""
-        reply = await self._request(control.CredentialsSet(crews=crews))
+    async def set_credentials(
+        self, crews: dict[str, dict[str, str]], *, timeout: float = REQUEST_TIMEOUT
+    ) -> tuple[int, ...]:
+        """Replace every crew's store credentials in every worker (the whole map). Returns the
+        pids of the workers killed because they did not confirm within `timeout` (each restarts
+        and reads the map from the store); Unavailable if a worker refused or none answered."""
+        killed: list[int] = []
+        async with self.lock:
+            reply = await self._broadcast(
+                control.CredentialsSet(crews=crews), timeout=timeout, killed=killed
+            )
         if not reply.ok:
             raise Unavailable(f"the proxy refused the credentials: {reply.error}")
+        return tuple(killed)
 
     async def ping(self) -> bool:
         try:

@@ -194,20 +194,21 @@ class CredentialChanged(Entry, frozen=True, tag="credential.changed"):
 
 class CredentialPushFailed(Entry, frozen=True, tag="credential.push_failed"):
     """A change stored (its credential.changed precedes this) that the running proxy did not
-    confirm: from the change until `proxy_killed` took effect, the proxy may still have used
-    the previous map. applianced kills a proxy that does not confirm (`proxy_killed` is its
-    pid; None if none was running); the proxy's supervisor starts a new one, which reads the
-    whole map from the store before it serves a crew."""
+    confirm: from the change until `proxy_killed` took effect, those proxy workers may still
+    have used the previous map. applianced kills every worker that does not confirm
+    (`proxy_killed`: their pids; empty if none was running); each restarts and reads the whole
+    map from the store before it serves a crew."""
 
     name: str
     action: str
     error: str
-    proxy_killed: int | None = None
+    proxy_killed: tuple[int, ...] = ()
 
     def summary(self) -> str:
+        pids = ", ".join(map(str, self.proxy_killed))
         after = (
-            f"proxy {self.proxy_killed} killed, restarts from the store"
-            if self.proxy_killed is not None
+            f"proxy worker(s) {pids} killed, restart from the store"
+            if self.proxy_killed
             else "no proxy running; it starts from the store"
         )
         return f"credential {self.name} {self.action} not confirmed by the proxy: {after}"

@@ -194,7 +194,7 @@ class JournalRecorder:
         action: str,
         error: str,
         *,
-        proxy_killed: int | None,
+        proxy_killed: tuple[int, ...],
         crew: str | None = None,
         agent: str | None = None,
     ) -> None:
