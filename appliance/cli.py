@@ -98,6 +98,7 @@ def run_proxy_worker(
         if events_channel is None
         else ChannelSink(
             events_channel,
+            flush_interval=config.events.flush_interval,
             max_batch=config.events.max_batch,
             max_pending=config.events.max_pending,
         )

@@ -10,9 +10,11 @@ the workers share the crews' connections and that one worker's death leaves the 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -237,3 +239,31 @@ def accepted_by(port: int) -> dict[int, int]:
             pid = int(part.split(",", 1)[0])
             owners[pid] = owners.get(pid, 0) + 1
     return owners
+
+
+def test_a_stopping_workers_last_events_reach_the_journal(appliance: Appliance) -> None:
+    """The workers' events travel on their channels; at SIGTERM a worker sends what it still
+    holds as it exits, and applianced reads it to the end before it closes the journal. With a
+    flush interval of 30 s, the decisions below exist only in the workers' queues until then."""
+    app = appliance
+    with open(app.config, "a") as config:
+        config.write("\n[proxy.events]\nflush_interval = 30\n")
+    app.start()
+    crew = app.crew("last")
+    code, created = app.ctl_json("crew", "create", crew)
+    assert code == 0, (created, app.log_text())
+    gateway = created["crew"]["gateway"]
+    hosts = [f"denied-{i}.test" for i in range(20)]
+    for host in hosts:
+        with socket.create_connection((gateway, app.port), timeout=10) as sock:
+            sock.sendall(f"GET http://{host}/ HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            assert b" 403 " in sock.recv(65536)
+    app.stop()
+    assert app.wait_exit() == 0, app.log_text()[-3000:]
+    db = sqlite3.connect(f"file:{app.state_dir / 'journal.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT payload FROM entries WHERE type = 'proxy.deny'").fetchall()
+    finally:
+        db.close()
+    journaled = {json.loads(payload)["host"] for (payload,) in rows}
+    assert set(hosts) <= journaled, sorted(journaled)

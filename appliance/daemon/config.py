@@ -108,7 +108,9 @@ class ProxySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     limits: LimitsConfig = LimitsConfig()
     providers: ProvidersConfig = ProvidersConfig()
     upstream: UpstreamConfig = UpstreamConfig()
-    events: EventsConfig = EventsConfig()
+    # Under applianced a worker's events go to the journal over its events channel every 50 ms
+    # (what an applianced crash can lose, docs/journal.md); `path` must stay unset.
+    events: EventsConfig = EventsConfig(flush_interval=0.05)
     scrub: ScrubConfig = ScrubConfig()
 
 

@@ -50,6 +50,8 @@ from .errors import Unavailable
 log = logging.getLogger("applianced.proxy")
 
 RESTART_DELAY = 1.0
+# How long the events of a worker that has exited may still take to be read (its last batch).
+EVENTS_GRACE = 5.0
 # A worker that answers with one of these is out of step with the others (or hostile): killed.
 _CHANNEL_ERRORS = (trio.TooSlowError, trio.BrokenResourceError, OSError, msgspec.DecodeError)
 REQUEST_TIMEOUT = 15.0
@@ -176,13 +178,16 @@ class ProxyPool:
                 events_theirs.close()
             worker.process = process
             events = trio.SocketStream(trio.socket.from_stdlib_socket(events_ours))
+            # The reader runs until EOF, i.e. until the worker has exited and its last batch is
+            # read, shielded from our cancellation (shutdown) so that a stopping worker's last
+            # decisions still reach the journal; EVENTS_GRACE after the worker is gone, at most.
+            reader_scope = trio.CancelScope(shield=True)
             async with trio.open_nursery() as life:
-                if self.events_reader is not None:
-                    # Until EOF, i.e. until the worker has exited and its last batch is read.
-                    life.start_soon(self.events_reader, events, worker.index)
-                else:
-                    events_ours.close()
-                await self._live(worker, process, control_ours)
+                life.start_soon(self._read_events, reader_scope, events, worker.index)
+                try:
+                    await self._live(worker, process, control_ours)
+                finally:
+                    reader_scope.deadline = trio.current_time() + EVENTS_GRACE
             log.error(
                 "proxy worker %d exited with %s; restarting in %.0f s",
                 worker.index,
@@ -191,6 +196,15 @@ class ProxyPool:
             )
             self.restarts += 1
             await trio.sleep(RESTART_DELAY)
+
+    async def _read_events(
+        self, scope: trio.CancelScope, events: trio.SocketStream, index: int
+    ) -> None:
+        with scope:
+            if self.events_reader is not None:
+                await self.events_reader(events, index)
+            else:
+                await events.aclose()
 
     async def _live(self, worker: _Worker, process: trio.Process, channel: socket.socket) -> None:
         """One life of one worker: give it the whole state, then wait for it to exit."""
