@@ -67,9 +67,9 @@ def summary(seconds: list[float]) -> dict[str, float]:
     }
 
 
-def timed(argv: list[str], **kwargs: Any) -> float:
+def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
     started = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr[-500:]}")
@@ -115,9 +115,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         extra_daemon=args.daemon_extra,
         extra_crews=f"infra_pool = {args.infra_pool}",
     )
-    # appliancectl's entry point (the console script runs appliance.ctl:main), from the tree
-    # under test: `run` takes its fast path, everything else goes on to appliance.cli.
-    cli = [sys.executable, "-m", "appliance.ctl", "--socket", str(app.socket)]
+    # appliancectl as installed: the launcher (bin/appliancectl, a venv's copy of it) of the tree
+    # under test, with this interpreter first on PATH as in a venv's bin/: `run` takes the fast
+    # path under `python -S`, everything else goes on to appliance.cli. For comparison, the
+    # same fast path started the ordinary way (site and its .pth files, as a pip console script).
+    launcher = Path(__file__).resolve().parent.parent / "bin" / "appliancectl"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    cli_env = {**os.environ, "PATH": path}
+    cli = [str(launcher), "--socket", str(app.socket)]
+    with_site = [sys.executable, "-m", "appliance.ctl", "--socket", str(app.socket)]
     series: dict[str, list[float]] = {
         k: []
         for k in (
@@ -129,6 +135,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "docker_run_hardened",
             "appliancectl_run",
             "docker_exec_cli",
+            "ctl_with_site_run",
             "api_run",
             "sdk_exec",
         )
@@ -152,8 +159,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
                 def crew_round(name: str = name) -> None:
                     pool_waits.append(_wait_pool_full(admin))
-                    create = timed([*cli, "crew", "create", name, "--mode", "restricted"])
-                    first = timed([*cli, "run", name, "--", "true"])
+                    create = timed([*cli, "crew", "create", name, "--mode", "restricted"], cli_env)
+                    first = timed([*cli, "run", name, "--", "true"], cli_env)
                     # The refill runs now, not during the next measurement.
                     pool_waits.append(_wait_pool_full(admin))
                     series["crew_create"].append(create)
@@ -172,11 +179,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     work()
                 agent_id = admin.call("GET", f"/v1/crews/{name}")["agent_id"]
                 for _ in range(args.runs):
-                    series["appliancectl_run"].append(timed([*cli, "run", name, "--", "true"]))
+                    series["appliancectl_run"].append(
+                        timed([*cli, "run", name, "--", "true"], cli_env)
+                    )
                     series["docker_exec_cli"].append(timed(["docker", "exec", agent_id, "true"]))
+                    series["ctl_with_site_run"].append(
+                        timed([*with_site, "run", name, "--", "true"])
+                    )
                     series["api_run"].append(_api_run(admin, name))
                     series["sdk_exec"].append(_sdk_exec(client, agent_id))
-                series["crew_rm"].append(timed([*cli, "crew", "rm", name]))
+                series["crew_rm"].append(timed([*cli, "crew", "rm", name], cli_env))
                 if (index + 1) % 10 == 0:
                     print(
                         f"  {index + 1}/{args.crews} crews: create p50 "
@@ -217,6 +229,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "crew_ready_and_first_run_vs_docker_run_p50": round(ready_first / bare, 2),
             "run_overhead_cli_p50_ms": round(
                 results["appliancectl_run"]["p50_ms"] - results["docker_exec_cli"]["p50_ms"], 1
+            ),
+            "run_overhead_cli_with_site_p50_ms": round(
+                results["ctl_with_site_run"]["p50_ms"] - results["docker_exec_cli"]["p50_ms"], 1
             ),
             "run_overhead_api_p50_ms": round(
                 results["api_run"]["p50_ms"] - results["sdk_exec"]["p50_ms"], 1
@@ -280,6 +295,7 @@ LABELS = {
     "crew_rm": "appliancectl crew rm",
     "appliancectl_run": "appliancectl run NAME -- true",
     "docker_exec_cli": "docker exec AGENT true",
+    "ctl_with_site_run": "python -m appliance.ctl run NAME -- true (with site)",
     "api_run": "admin API run [true] (in-process client)",
     "sdk_exec": "docker SDK exec true (in-process)",
 }
@@ -310,6 +326,11 @@ def print_tables(data: dict[str, Any]) -> None:
                     "",
                 ],
                 ["run overhead, CLIs (ms, p50)", ratios["run_overhead_cli_p50_ms"], "< 30"],
+                [
+                    "run overhead, python -m appliance.ctl (ms, p50)",
+                    ratios["run_overhead_cli_with_site_p50_ms"],
+                    "",
+                ],
                 ["run overhead, in-process (ms, p50)", ratios["run_overhead_api_p50_ms"], "< 30"],
             ],
         )

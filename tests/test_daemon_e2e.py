@@ -6,9 +6,14 @@ proxy's split-horizon table (tests/conftest.py)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,7 @@ from appliance.demo_upstream import FakeServer
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER, AGENT_KEY_VARIABLES
 from tests.conftest import REAL_KEYS
 from tests.daemon_support import (
+    ROOT,
     Appliance,
 )
 
@@ -223,3 +229,70 @@ def test_reconcile_after_sigkill_mid_create_and_with_a_ready_crew(
     assert shown["crew"]["phase"] == "ready", json.dumps(shown)
     assert app.ctl("run", name, "--", "true").returncode == 0
     assert len(app.containers()) == 2 and len(app.links()) == 1
+
+
+def test_the_launcher_streams_returns_the_exit_code_and_its_death_kills_the_command(
+    appliance: Appliance,
+) -> None:
+    # bin/appliancectl as an operator's venv runs it: `python -S`, the fast path of appliance/ctl.py
+    app = appliance
+    app.start()
+    name = app.crew("fast")
+    code, created = app.ctl_json("crew", "create", name, "--mode", "restricted")
+    assert code == 0, (created, app.log_text())
+    launcher = [str(ROOT / "bin" / "appliancectl"), "--socket", str(app.socket), "run", name]
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPROFILEIMPORTTIME": "1",  # -S keeps the environment: what the fast path imports
+    }
+    script = "echo one; echo two >&2; sleep 2; echo three; exit 7"
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [*launcher, "--", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline() == b"one\n"
+    assert time.monotonic() - started < 1.9, "the first line waited for the command to end"
+    rest, err = process.communicate(timeout=60)
+    assert process.returncode == 7 and rest == b"three\n", (rest, err)
+    assert b"two\n" in err
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in err.decode().splitlines()
+        if line.startswith("import time:")
+    }
+    assert "appliance.ctl" in imported
+    assert not imported & {"site", "socket", "json", "appliance.daemon.client"}, imported
+
+    timed_out = subprocess.run(
+        [*launcher, "--timeout", "1", "--", "sleep", "30"], capture_output=True, timeout=60
+    )
+    assert timed_out.returncode == 124
+
+    # The client dies mid-run: applianced's next write fails and the command is killed.
+    marker = f"tick-{name}"
+    process = subprocess.Popen(
+        [*launcher, "--", "sh", "-c", "while :; do echo tick; sleep 0.2; done", marker],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert process.stdout is not None and process.stdout.readline() == b"tick\n"
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 15
+    while True:
+        ps = app.ctl("run", name, "--", "ps", "-eo", "args")
+        assert ps.returncode == 0, ps
+        if marker not in ps.stdout:
+            break
+        assert time.monotonic() < deadline, f"the command outlived its client: {ps.stdout}"
+        time.sleep(0.5)
+    # The run's lifecycle is journaled as before: the timeout and the cancellation.
+    tail = app.ctl("--json", "journal", "tail", "--crew", name, "--type", "run", "-n", "50")
+    assert tail.returncode == 0, tail
+    types = [json.loads(line)["type"] for line in tail.stdout.splitlines()]
+    assert "run.timeout" in types and "run.cancelled" in types, types

@@ -542,6 +542,30 @@ def test_exec_in_a_crew_without_agent(provider) -> None:  # type: ignore[no-unty
         trio.run(lambda: run(provider, "no-such-crew", ["true"]))
 
 
+def test_exec_notices_an_agent_container_stopped_or_replaced_behind_its_back(  # type: ignore[no-untyped-def]
+    provider, client, image, crew
+) -> None:
+    # The provider remembers the agent container's id (no engine listing per exec); a stale id
+    # must never run the command elsewhere or hide that the crew has no agent.
+    from appliance.runtime import CrewContainerError
+
+    spec = spec_for(crew, image)
+    pod = provider.create_infra(spec)
+    first = provider.start_agent(spec, pod)
+    assert trio.run(lambda: run(provider, crew, ["sh", "-c", "exit 3"]))[2].exit_code == 3
+    client.api.stop(first, timeout=0)  # 409 "not running" for the remembered id
+    with pytest.raises(CrewContainerError, match="no running agent container"):
+        trio.run(lambda: run(provider, crew, ["true"]))
+    client.api.remove_container(first, force=True)  # 404 for it now
+    with pytest.raises(CrewContainerError, match="no running agent container"):
+        trio.run(lambda: run(provider, crew, ["true"]))
+    second = provider.start_agent(spec, pod)
+    assert second != first
+    # runc puts an exec in its container's cgroups, named by the container's id (cgroup v1 here)
+    stdout, _, exited = trio.run(lambda: run(provider, crew, ["cat", "/proc/self/cgroup"]))
+    assert exited.exit_code == 0 and second in stdout and first not in stdout, stdout
+
+
 # --- removal, rollback, leftovers -----------------------------------------------------------------
 
 

@@ -37,6 +37,13 @@ and process group leader (runc and runsc both start exec processes that way). To
 exec kills the process group and every process that still carries the marker (children that
 left the group). Output is read from the engine's multiplexed stream, one frame per call in a
 worker thread (abandoned on cancellation, unblocked by closing the stream), and cut into lines.
+
+An exec costs the engine three calls (create, start with the attached stream, inspect for the exit
+code), as `docker exec` does. The crew's agent container is not looked up per exec: its id is
+remembered from `start_agent` (or the first lookup) until `remove_crew`; a remembered id that the
+engine no longer runs (404, or 409 "not running") is forgotten and looked up once more, so a
+container replaced or stopped behind the provider's back is found, or reported, as before. The
+wrapper's extra fork costs nothing measurable next to the engine's exec (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -155,6 +162,10 @@ class DockerProvider:
         self.api = client.api
         self.infra_command = infra_command
         self.agent_command = agent_command
+        # crew -> its running agent container's id, for exec (module docstring); a listing of
+        # the engine's containers costs ~10 ms, most of what an exec of `true` adds over the
+        # engine's own three calls. Written from worker threads: single dict operations only.
+        self._agents: dict[str, str] = {}
 
     @classmethod
     def connect(cls, base_url: str | None = None) -> DockerProvider:
@@ -326,9 +337,11 @@ class DockerProvider:
             rollback.undo(lambda: self._remove_container(container.id))
             rollback.step("start agent container", container.start)
             rollback.step("check agent container", lambda: self._running_pid(container.id))
+            self._agents[crew] = str(container.id)
             return str(container.id)
 
     def remove_crew(self, crew: str, *, volumes: bool = False) -> None:
+        self._agents.pop(crew, None)
         containers = [c for c in self.owned() if c.crew == crew]
         # Agents first: the infra holds their namespace.
         ordered = sorted(containers, key=lambda c: c.role != ContainerRole.AGENT)
@@ -392,12 +405,11 @@ class DockerProvider:
         for key in env or {}:
             if not key or "=" in key or key == EXEC_MARKER:
                 raise InvalidSpec("env", f"bad variable name {key!r}")
-        container_id = await trio.to_thread.run_sync(self.agent_container, crew)
         token = secrets.token_hex(8)
         environment = {**(env or {}), EXEC_MARKER: token}
         command = ["/bin/sh", "-c", EXEC_WRAPPER, "appliance-exec", *argv]
-        exec_id, stream = await trio.to_thread.run_sync(
-            self._exec_open, crew, container_id, command, environment
+        container_id, exec_id, stream = await trio.to_thread.run_sync(
+            self._exec_open, crew, command, environment
         )
         frames: Iterator[tuple[bytes | None, bytes | None]] = iter(stream)
         lines = LineSplitter()
@@ -439,6 +451,10 @@ class DockerProvider:
                 stream.close()
 
     def agent_container(self, crew: str) -> str:
+        """The crew's running agent container: the remembered id, else the engine's list."""
+        remembered = self._agents.get(crew)
+        if remembered is not None:
+            return remembered
         running = [
             c
             for c in self.owned()
@@ -448,20 +464,38 @@ class DockerProvider:
             raise CrewContainerError(
                 crew, "exec", "the crew has no running agent container", rolled_back=False
             )
+        self._agents[crew] = running[0].container_id
         return running[0].container_id
 
     def _exec_open(
-        self, crew: str, container_id: str, command: list[str], environment: dict[str, str]
-    ) -> tuple[str, Any]:
+        self, crew: str, command: list[str], environment: dict[str, str]
+    ) -> tuple[str, str, Any]:
+        """Create and start the exec in the crew's agent container: (container, exec, stream)."""
+        container_id = self.agent_container(crew)
         try:
             created = self.api.exec_create(
                 container_id, command, environment=environment, stdout=True, stderr=True
             )
-            exec_id = str(created["Id"])
+        except docker.errors.APIError as exc:
+            # Gone (404) or not running (409): the remembered id is stale; look up once more.
+            if exc.status_code not in (404, 409) or self._agents.pop(crew, None) is None:
+                raise CrewContainerError(crew, "exec", exc, rolled_back=False) from exc
+            container_id = self.agent_container(crew)
+            try:
+                created = self.api.exec_create(
+                    container_id, command, environment=environment, stdout=True, stderr=True
+                )
+            except docker.errors.DockerException as exc:
+                self._agents.pop(crew, None)
+                raise CrewContainerError(crew, "exec", exc, rolled_back=False) from exc
+        except docker.errors.DockerException as exc:
+            raise CrewContainerError(crew, "exec", exc, rolled_back=False) from exc
+        exec_id = str(created["Id"])
+        try:
             stream = self.api.exec_start(exec_id, stream=True, demux=True)
         except docker.errors.DockerException as exc:
             raise CrewContainerError(crew, "exec", exc, rolled_back=False) from exc
-        return exec_id, stream
+        return container_id, exec_id, stream
 
     def _exec_exit_code(self, crew: str, exec_id: str) -> int:
         # The stream can end a moment before the engine records the exit.
