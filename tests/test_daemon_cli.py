@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from appliance.demo_upstream import FakeServer
 from tests.conftest import ROOT, proxy_env
 from tests.daemon_support import busybox_images, needs_root_and_docker, new_appliance
@@ -36,6 +38,35 @@ def test_doctor_reports_every_check() -> None:
     assert done.returncode == (0 if report["ok"] else 1)
 
 
+def test_doctor_names_a_foreign_process_with_the_proxy_uid(tmp_path: Path) -> None:
+    """Anything else running as the workers' uid could signal them: doctor says which pid."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    config = tmp_path / "uid.toml"
+    config.write_text("[proxy]\nuid = 1077\ngid = 1077\n")
+
+    def become() -> None:
+        os.setgroups([])
+        os.setresgid(1077, 1077, 1077)
+        os.setresuid(1077, 1077, 1077)
+
+    def identity() -> dict[str, object]:
+        done = ctl("doctor", "--json", "--config", str(config))
+        report = json.loads(done.stdout)
+        return next(c for c in report["checks"] if c["name"] == "proxy identity")
+
+    before = identity()
+    assert before["ok"] and "uid 1077" in str(before["detail"]), before
+    foreign = subprocess.Popen(["sleep", "30"], preexec_fn=become)
+    try:
+        check = identity()
+        assert not check["ok"] and not check["required"]
+        assert f"other than proxy workers run with it: {foreign.pid}" in str(check["detail"])
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
 def test_config_errors_name_the_key(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text('[daemon]\nstate_dri = "/x"\n')
@@ -44,6 +75,12 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     config.write_text('[net]\npool = "not a pool"\n')
     done = ctl("up", "--config", str(config))
     assert done.returncode == 2 and "net" in done.stderr
+    config.write_text("[proxy]\nuid = 1001\n")
+    done = ctl("up", "--config", str(config))
+    assert done.returncode == 2 and "`proxy.uid`" in done.stderr and "agents'" in done.stderr
+    config.write_text('[proxy.events]\npath = "/tmp/events.jsonl"\n')
+    done = ctl("up", "--config", str(config))
+    assert done.returncode == 2 and "`proxy.events.path`" in done.stderr
 
 
 def test_unreachable_daemon_is_exit_5(tmp_path: Path) -> None:

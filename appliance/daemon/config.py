@@ -24,6 +24,7 @@ from typing import Annotated
 import msgspec
 
 from appliance.keeper.gatekeeper import GatekeeperConfig, GatekeeperConfigError
+from appliance.runtime.base import AGENT_UID
 from netns import NetConfig, NetnsError, validate_config
 from proxycore.config import (
     DEFAULT_PORT,
@@ -182,6 +183,12 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
         value = getattr(config.credentials, key)
         if value is not None and not os.path.isabs(value):
             raise fail(f"credentials.{key}", "must be an absolute path")
+    if AGENT_UID in (config.proxy.uid, config.proxy.gid):
+        raise fail(
+            "proxy.uid",
+            f"the proxy workers' uid and gid must differ from the agents' ({AGENT_UID}): a crew "
+            "process would otherwise share the workers' identity",
+        )
     if config.proxy.events.path is not None:
         raise fail(
             "proxy.events.path",

@@ -139,11 +139,59 @@ def _pool(config: ApplianceConfig) -> Check:
     return Check("address pool", True, True, f"{pool} is free on this host")
 
 
+def _uids(pid: str) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return [int(field) for field in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def _is_worker(pid: str) -> bool:
+    """A proxy worker: started by a root process as `appliance.cli proxy ... --drop-to`."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            argv = file.read().split(b"\0")
+        with open(f"/proc/{pid}/stat") as file:
+            parent = file.read().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return False
+    return b"appliance.cli" in argv and b"--drop-to" in argv and _uids(parent)[:1] == [0]
+
+
+def _proxy_identity(config: ApplianceConfig) -> Check:
+    """The workers' uid must be theirs alone: any other process with it could signal them (stop,
+    kill) and read whatever they leave readable to their uid. Not required: an account holding
+    the uid is a warning (it may be one made for them, with no login); a foreign process is not
+    fatal to start either, but the operator should know."""
+    import pwd
+
+    uid = config.proxy.uid
+    try:
+        account = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        account = None
+    others: list[str] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and uid in _uids(entry) and not _is_worker(entry):
+            others.append(entry)
+    detail = f"uid {uid}, gid {config.proxy.gid}: " + (
+        f"account {account!r} holds the uid" if account else "no account holds the uid"
+    )
+    if others:
+        detail += f"; processes other than proxy workers run with it: {', '.join(others[:10])}"
+    return Check("proxy identity", not others and account is None, False, detail)
+
+
 def run_checks(config: ApplianceConfig) -> Report:
     checks = [Check("root", os.geteuid() == 0, True, f"euid {os.geteuid()}")]
     checks += _engine(config)
     checks.append(_nftables(config))
     checks += _kernel()
     checks.append(_pool(config))
+    checks.append(_proxy_identity(config))
     ok = all(check.ok for check in checks if check.required)
     return Report(ok=ok, checks=tuple(checks))
