@@ -293,12 +293,15 @@ resolve = {{ {resolve} }}
 
     def cleanup(self) -> None:
         self.stop()
-        for line in self.containers(include_pool=True):
-            crew = line.split()[0]
-            subprocess.run(
-                ["docker", "rm", "-f", f"appliance-{crew}-agent", f"appliance-{crew}-infra"],
-                capture_output=True,
-            )
+        # By name, not by crew: a crew that took a pool slot keeps the slot's infra container
+        # (appliance-<prefix>pool_<id>-infra), which a name made from the crew's would miss.
+        ours = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"name=^/appliance-{self.name_prefix}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        if ours:
+            subprocess.run(["docker", "rm", "-f", *ours], capture_output=True)
         for link in self.links(include_pool=True):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
