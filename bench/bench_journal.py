@@ -35,16 +35,13 @@ from appliance.journal import entries as E
 
 
 def entry(i: int) -> E.Entry:
-    return E.ProxyAllow(
-        crew="crew-bench",
-        mode="restricted",
-        route="forward",
-        method="GET",
-        host=f"pypi{i % 7}.example.org",
-        port=443,
-        address="10.20.30.40",
-        rule="allowlist: pypi.example.org",
-    )
+    """One allowed request as its own entry (the proxy batches a crew's requests into one
+    entry per batch; this measures the journal per entry)."""
+    request = E.AllowedRequest(
+        time.time(), "forward", "GET", f"pypi{i % 7}.example.org", 443, "10.20.30.40",
+        "allowlist: pypi.example.org",
+    )  # fmt: skip
+    return E.ProxyAllow(crew="crew-bench", mode="restricted", requests=(request,))
 
 
 def flood(directory: Path, synchronous: str, count: int) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """Run the whole benchmark suite and write bench/results/latest.json plus markdown tables.
 
-Runs bench_forward.py, bench_capacity.py, bench_connect.py, bench_scrub.py and bench_crews.py
-one after another (each as its own process, each command printed), gathers their JSON into
-bench/results/latest.json (a copy with the date in its name stays beside it) and prints every
-table as markdown, ready for docs/benchmarks.md. `--quick` shortens every run for a smoke test;
-its figures are not for the document.
+Runs bench_forward.py, bench_capacity.py, bench_connect.py, bench_scrub.py, bench_crews.py and
+bench_journal_proxy.py one after another (each as its own process, each command printed),
+gathers their JSON into bench/results/latest.json (a copy with the date in its name stays
+beside it) and prints every table as markdown, ready for docs/benchmarks.md. `--quick` shortens
+every run for a smoke test; its figures are not for the document.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import bench_capacity
 import bench_connect
 import bench_crews
 import bench_forward
+import bench_journal_proxy
 import bench_scrub
 import common
 
@@ -32,6 +33,7 @@ SUITES = {
     "connect": (bench_connect, "bench_connect.py"),
     "scrub": (bench_scrub, "bench_scrub.py"),
     "crews": (bench_crews, "bench_crews.py"),
+    "journal-proxy": (bench_journal_proxy, "bench_journal_proxy.py"),
 }
 
 

@@ -35,22 +35,23 @@ def sample_entries() -> list[E.Entry]:
         E.RunTimeout(timeout=5.0, duration=5.0, **scope),
         E.ProxyAllow(
             mode="restricted",
-            route="forward",
-            method="GET",
-            host="example.org",
-            port=443,
-            address="10.0.0.1",
-            rule="allowlist",
+            requests=(
+                E.AllowedRequest(
+                    1.0, "forward", "GET", "example.org", 443, "10.0.0.1", "allowlist"
+                ),
+                E.AllowedRequest(
+                    2.0, "forward", "POST", "example.org", 443, "10.0.0.1", "allowlist"
+                ),
+            ),
             crew="c1",
         ),
         E.ProxyDeny(
             mode="restricted",
-            route="tunnel",
-            method="CONNECT",
-            host="evil.example",
-            port=443,
-            rule="not allowlisted",
-            status=403,
+            requests=(
+                E.DeniedRequest(
+                    3.0, "tunnel", "CONNECT", "evil.example", 443, "not allowlisted", 403
+                ),
+            ),
             crew="c1",
         ),
         E.CredentialInjected(provider="anthropic", host="api.anthropic.com", crew="c1"),
@@ -237,12 +238,9 @@ def test_a_planted_secret_never_reaches_the_files(tmp_path: Path) -> None:
     journal.append(
         E.ProxyDeny(
             mode="restricted",
-            route="forward",
-            method="GET",
-            host=f"x.example/?k={SECRET}",
-            port=443,
-            rule="r",
-            status=403,
+            requests=(
+                E.DeniedRequest(1.0, "forward", "GET", f"x.example/?k={SECRET}", 443, "r", 403),
+            ),
             crew="c1",
         )
     )
@@ -413,8 +411,10 @@ def test_ingest_waits_when_full_signals_and_loses_nothing(tmp_path: Path) -> Non
     def event_lines(start: int, count: int) -> bytes:
         return b"".join(
             encoder.encode(
+                # One crew per event: each is an entry of its own (a crew's requests in one
+                # batch would share one), so 100 of them fill the 8-entry queue.
                 pe.RequestDenied(
-                    crew="c1", mode="restricted", route="forward", method="GET",
+                    crew=f"c{i}", mode="restricted", route="forward", method="GET",
                     host=f"h{i}.example", port=80, rule="not_in_allowlist", status=403,
                 )
             )
@@ -456,12 +456,58 @@ def test_ingest_waits_when_full_signals_and_loses_nothing(tmp_path: Path) -> Non
     trio.run(main)
     rows = journal.tail(1000)
     assert len(rows) == 106
-    hosts = [msgspec.json.decode(r.payload)["host"] for r in rows[:105]]
-    assert hosts == [f"h{i}.example" for i in range(105)]
+    requests = [msgspec.json.decode(r.payload)["requests"] for r in rows[:105]]
+    assert [one[3] for (one,) in requests] == [f"h{i}.example" for i in range(105)]
+    assert [r.crew for r in rows[:105]] == [f"c{i}" for i in range(105)]
     assert {r.type for r in rows[:105]} == {"proxy.deny"}
     assert rows[105].type == "proxy.notice" and UNREADABLE_EVENT in rows[105].summary
     assert journal.verify().ok
     journal.close()
+
+
+def test_a_batch_of_requests_is_one_entry_per_crew_in_order() -> None:
+    """entries_for_batch: a crew's allowed (and denied) requests in one batch are one entry,
+    in the place of the first, each request kept with its own time; other events keep theirs."""
+    from appliance.journal.recorder import UNREADABLE_EVENT, entries_for_batch
+    from proxycore import events as pe
+
+    def allowed(crew: str, host: str, ts: float) -> pe.RequestAllowed:
+        return pe.RequestAllowed(
+            ts=ts, crew=crew, mode="restricted", route="forward", method="GET", host=host,
+            port=443, address="10.0.0.1", rule="allowlist",
+        )  # fmt: skip
+
+    denied = pe.RequestDenied(
+        ts=4.0, crew="a", mode="restricted", route="tunnel", method="CONNECT", host="evil.test",
+        port=443, rule="not_in_allowlist", status=403,
+    )  # fmt: skip
+    opened = pe.TunnelOpened(ts=2.5, crew="a", tunnel_id=1, host="x.test", port=443, address="a")
+    batch: list[pe.AnyEvent | None] = [
+        allowed("a", "one.test", 1.0),
+        allowed("b", "two.test", 2.0),
+        opened,
+        allowed("a", "three.test", 3.0),
+        denied,
+        None,
+        allowed("a", "four.test", 5.0),
+    ]
+    entries = entries_for_batch(batch)
+    assert [type(e).__name__ for e in entries] == [
+        "ProxyAllow", "ProxyAllow", "TunnelOpened", "ProxyDeny", "ProxyNotice",
+    ]  # fmt: skip
+    first, second, _, deny, notice = entries
+    assert isinstance(first, E.ProxyAllow) and first.crew == "a" and first.ts == 1.0
+    assert [(r.host, r.ts) for r in first.requests] == [
+        ("one.test", 1.0), ("three.test", 3.0), ("four.test", 5.0),
+    ]  # fmt: skip
+    assert first.summary() == (
+        "allow 3 requests: GET one.test:443 (allowlist) x1, GET three.test:443 (allowlist) x1, "
+        "GET four.test:443 (allowlist) x1"
+    )
+    assert isinstance(second, E.ProxyAllow) and second.crew == "b"
+    assert second.summary() == "allow GET two.test:443 (forward, rule allowlist)"
+    assert isinstance(deny, E.ProxyDeny) and deny.requests[0].status == 403
+    assert isinstance(notice, E.ProxyNotice) and notice.message == UNREADABLE_EVENT
 
 
 def test_channel_sink_backlog_refuses_rather_than_loses(tmp_path: Path) -> None:

@@ -71,21 +71,22 @@ class RunTimeout(Entry, frozen=True, tag="run.timeout"):
 # -- the proxy's decisions (from proxycore.events) ---------------------------------------------
 
 
-class ProxyAllow(Entry, frozen=True, tag="proxy.allow"):
-    mode: str
-    route: str
+class AllowedRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One request in a `proxy.allow` entry, as a JSON array in this field order."""
+
+    ts: float
+    route: str  # forward | reverse | tunnel
     method: str
     host: str
     port: int
-    address: str
+    address: str  # the address dialled
     rule: str
 
-    def summary(self) -> str:
-        return f"allow {self.method} {self.host}:{self.port} ({self.route}, rule {self.rule})"
 
+class DeniedRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One request in a `proxy.deny` entry, as a JSON array in this field order."""
 
-class ProxyDeny(Entry, frozen=True, tag="proxy.deny"):
-    mode: str
+    ts: float
     route: str
     method: str
     host: str
@@ -93,11 +94,45 @@ class ProxyDeny(Entry, frozen=True, tag="proxy.deny"):
     rule: str
     status: int
 
+
+def _requests_summary(
+    verb: str, requests: tuple[AllowedRequest, ...] | tuple[DeniedRequest, ...]
+) -> str:
+    if len(requests) == 1:
+        (one,) = requests
+        tail = f" -> {one.status}" if isinstance(one, DeniedRequest) else ""
+        return f"{verb} {one.method} {one.host}:{one.port} ({one.route}, rule {one.rule}){tail}"
+    counts: dict[str, int] = {}
+    for request in requests:
+        key = f"{request.method} {request.host}:{request.port} ({request.rule})"
+        counts[key] = counts.get(key, 0) + 1
+    top = sorted(counts.items(), key=lambda item: -item[1])
+    listed = ", ".join(f"{key} x{count}" for key, count in top[:3])
+    more = f", {len(top) - 3} more" if len(top) > 3 else ""
+    return f"{verb} {len(requests)} requests: {listed}{more}"
+
+
+class ProxyAllow(Entry, frozen=True, tag="proxy.allow"):
+    """Requests a proxy worker allowed for one crew, from one batch of its events: one entry
+    per batch and crew, not per request (docs/journal.md, "One entry per batch"), each request
+    with its own time. A journal's cost per request is then a share of one insert."""
+
+    mode: str
+    requests: tuple[AllowedRequest, ...]
+
     def summary(self) -> str:
-        return (
-            f"deny {self.method} {self.host}:{self.port} ({self.route}, {self.rule}) "
-            f"-> {self.status}"
-        )
+        return _requests_summary("allow", self.requests)
+
+
+class ProxyDeny(Entry, frozen=True, tag="proxy.deny"):
+    """Requests a proxy worker refused for one crew, from one batch of its events (as
+    `proxy.allow`)."""
+
+    mode: str
+    requests: tuple[DeniedRequest, ...]
+
+    def summary(self) -> str:
+        return _requests_summary("deny", self.requests)
 
 
 class CredentialInjected(Entry, frozen=True, tag="credential.injected"):

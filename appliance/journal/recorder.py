@@ -55,15 +55,9 @@ def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
     crew = None if event.crew == "-" else event.crew
     common: dict[str, Any] = {"ts": event.ts, "crew": crew}
     if isinstance(event, pe.RequestAllowed):
-        return E.ProxyAllow(
-            mode=event.mode, route=event.route, method=event.method, host=event.host,
-            port=event.port, address=event.address, rule=event.rule, **common,
-        )  # fmt: skip
+        return E.ProxyAllow(mode=event.mode, requests=(_allowed(event),), **common)
     if isinstance(event, pe.RequestDenied):
-        return E.ProxyDeny(
-            mode=event.mode, route=event.route, method=event.method, host=event.host,
-            port=event.port, rule=event.rule, status=event.status, **common,
-        )  # fmt: skip
+        return E.ProxyDeny(mode=event.mode, requests=(_denied(event),), **common)
     if isinstance(event, pe.CredentialInjected):
         return E.CredentialInjected(provider=event.provider, host=event.host, **common)
     if isinstance(event, pe.TunnelOpened):
@@ -87,6 +81,52 @@ def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
             reason=f"refused by the proxy: {event.rule}", **common,
         )  # fmt: skip
     return E.ProxyNotice(message="the proxy dropped events", dropped=event.count, **common)
+
+
+def _allowed(event: pe.RequestAllowed) -> E.AllowedRequest:
+    return E.AllowedRequest(
+        event.ts, event.route, event.method, event.host, event.port, event.address, event.rule
+    )
+
+
+def _denied(event: pe.RequestDenied) -> E.DeniedRequest:
+    return E.DeniedRequest(
+        event.ts, event.route, event.method, event.host, event.port, event.rule, event.status
+    )
+
+
+def entries_for_batch(events: list[pe.AnyEvent | None]) -> list[E.Entry]:
+    """The journal entries for one batch of a worker's events, in order. Allowed and denied
+    requests are grouped per (crew, mode) into one `proxy.allow` / `proxy.deny` entry each,
+    which takes the place of the group's first request (so a proxy under load writes a few
+    entries per batch, not one per request); every other event is an entry of its own. None
+    stands for a line that did not decode: a `proxy.notice` saying so."""
+    out: list[E.Entry | None] = []
+    groups: dict[tuple[str, str, str], tuple[int, list[Any]]] = {}
+    for event in events:
+        if isinstance(event, pe.RequestAllowed | pe.RequestDenied):
+            key = (type(event).__name__, event.crew, event.mode)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = (len(out), [event])
+                out.append(None)  # the group's place
+            else:
+                group[1].append(event)
+        elif event is None:
+            out.append(E.ProxyNotice(message=UNREADABLE_EVENT))
+        else:
+            out.append(from_proxy_event(event))
+    for (kind, crew, mode), (index, members) in groups.items():
+        scope: dict[str, Any] = {"ts": members[0].ts, "crew": None if crew == "-" else crew}
+        if kind == "RequestAllowed":
+            out[index] = E.ProxyAllow(
+                mode=mode, requests=tuple(_allowed(m) for m in members), **scope
+            )
+        else:
+            out[index] = E.ProxyDeny(
+                mode=mode, requests=tuple(_denied(m) for m in members), **scope
+            )
+    return [entry for entry in out if entry is not None]
 
 
 class _CrewLike(Protocol):
@@ -266,7 +306,8 @@ class JournalRecorder:
         async with stream:
             while True:
                 try:
-                    data = await stream.receive_some(1 << 16)
+                    # Up to a whole batch of the worker's (1,024 events) at a time.
+                    data = await stream.receive_some(1 << 20)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
                 if not data:
@@ -282,14 +323,16 @@ class JournalRecorder:
                     continue
                 lines = bytes(buffer[: end + 1]).splitlines()
                 del buffer[: end + 1]
+                events: list[pe.AnyEvent | None] = []
                 for line in lines:
                     if not line.strip():
                         continue
                     try:
-                        entry = from_proxy_event(decoder.decode(line))
+                        events.append(decoder.decode(line))
                     except msgspec.DecodeError:
                         # The scrubber replaced a line whole, or a line is damaged: say so.
-                        entry = E.ProxyNotice(message=UNREADABLE_EVENT)
+                        events.append(None)
+                for entry in entries_for_batch(events):
                     await self._submit(journal, entry)
 
     async def _submit(self, journal: Journal | None, entry: E.Entry) -> None:
