@@ -163,6 +163,18 @@ resolve = {{ {resolve} }}
     def ctl_argv(self) -> list[str]:
         return [sys.executable, "-m", "appliance.cli", "--socket", str(self.socket)]
 
+    def ctl_stdin(self, stdin: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """`appliancectl ARGS` with `stdin` piped in (credential values never go in argv)."""
+        return subprocess.run(
+            [*self.ctl_argv(), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=proxy_env(),
+            cwd=ROOT,
+        )
+
     def ctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "appliance.cli", "--socket", str(self.socket), *args],

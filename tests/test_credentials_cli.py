@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from appliance.demo_upstream import FakeServer
-from tests.conftest import REAL_KEYS, ROOT, proxy_env
+from tests.conftest import REAL_KEYS
 from tests.daemon_support import (
     Appliance,
 )
@@ -28,18 +26,6 @@ KEY_TWO = "sk-ant-api03-STORE-cli-two-fedcba9876543210"
 OPENAI_KEY = "sk-proj-STORE-from-file-0123456789"
 STORE_KEY = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
 VALUES = (KEY_ONE, KEY_TWO, OPENAI_KEY)
-
-
-def ctl_stdin(app: Appliance, stdin: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "appliance.cli", "--socket", str(app.socket), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=proxy_env(),
-        cwd=ROOT,
-    )
 
 
 def leak_through_proxy(app: Appliance, crew: str, gateway: str) -> str:
@@ -75,7 +61,7 @@ def test_cred_commands_through_a_real_daemon(
     app.start(env={"ENCRYPTION_KEY": STORE_KEY})
 
     # add: from piped stdin, and from a file; no option takes a value.
-    done = ctl_stdin(app, KEY_ONE + "\n", "cred", "add", "claude", "--provider", "anthropic")
+    done = app.ctl_stdin(KEY_ONE + "\n", "cred", "add", "claude", "--provider", "anthropic")
     assert done.returncode == 0, done.stderr
     assert "claude added (anthropic, api_key, L3)" in done.stdout
     value_file = tmp_path / "openai.key"
@@ -94,9 +80,9 @@ def test_cred_commands_through_a_real_daemon(
     assert code == 0 and added["credential"]["level"] == "L1", added
     refused = app.ctl("cred", "add", "x", "--provider", "openai", "--value", "sk-in-argv")
     assert refused.returncode == 2 and "unrecognized arguments" in refused.stderr
-    empty = ctl_stdin(app, "", "cred", "add", "e", "--provider", "openai")
+    empty = app.ctl_stdin("", "cred", "add", "e", "--provider", "openai")
     assert empty.returncode == 2 and "empty" in empty.stderr
-    dup = ctl_stdin(app, "v", "--json", "cred", "add", "claude", "--provider", "anthropic")
+    dup = app.ctl_stdin("v", "--json", "cred", "add", "claude", "--provider", "anthropic")
     assert dup.returncode == 4 and "already exists" in dup.stdout
 
     crew = app.crew("cred")
@@ -113,7 +99,7 @@ def test_cred_commands_through_a_real_daemon(
     assert "401" in body and KEY_ONE not in body
 
     # rotate: the very next request after the command returns carries the new key.
-    done = ctl_stdin(app, KEY_TWO, "cred", "rotate", "claude")
+    done = app.ctl_stdin(KEY_TWO, "cred", "rotate", "claude")
     assert done.returncode == 0 and "version 2" in done.stdout, done.stderr
     body = leak_through_proxy(app, crew, gateway)
     assert provider.last().all("x-api-key") == [KEY_TWO]
@@ -182,7 +168,7 @@ def test_a_stored_value_typed_into_a_command_is_not_journaled(appliance: Applian
     app = appliance
     app.start(env={"ENCRYPTION_KEY": STORE_KEY})
     value = "plain-looking-db-password-0425"
-    added = ctl_stdin(app, value, "cred", "add", "dbpass", "--provider", "warehouse")
+    added = app.ctl_stdin(value, "cred", "add", "dbpass", "--provider", "warehouse")
     assert added.returncode == 0, added.stderr
     crew = app.crew("jrnl")
     code, created = app.ctl_json("crew", "create", crew)

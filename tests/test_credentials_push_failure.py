@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from typing import Any
 import pytest
 
 from appliance.demo_upstream import FakeServer
-from tests.conftest import REAL_KEYS, ROOT, proxy_env
+from tests.conftest import REAL_KEYS
 from tests.daemon_support import Appliance
 
 pytestmark = pytest.mark.docker
@@ -29,18 +27,6 @@ pytestmark = pytest.mark.docker
 KEY_ONE = "sk-ant-api03-PUSHFAIL-one-0123456789abcdef"
 KEY_TWO = "sk-ant-api03-PUSHFAIL-two-fedcba9876543210"
 STORE_KEY = "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100"
-
-
-def ctl_stdin(app: Appliance, stdin: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "appliance.cli", "--socket", str(app.socket), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=proxy_env(),
-        cwd=ROOT,
-    )
 
 
 def injected_key(app: Appliance, provider: FakeServer, crew: str, gateway: str) -> list[str]:
@@ -83,7 +69,7 @@ def test_a_revoke_the_proxy_does_not_confirm_is_journaled_and_the_proxy_restarte
     app = appliance
     app.start(env={"ENCRYPTION_KEY": STORE_KEY})
     assert (
-        ctl_stdin(app, KEY_ONE, "cred", "add", "claude", "--provider", "anthropic").returncode == 0
+        app.ctl_stdin(KEY_ONE, "cred", "add", "claude", "--provider", "anthropic").returncode == 0
     )
     crew = app.crew("push")
     code, created = app.ctl_json("crew", "create", crew)
@@ -158,7 +144,7 @@ def test_a_revoke_the_proxy_does_not_confirm_is_journaled_and_the_proxy_restarte
     # Sealed grants end to end: a row forged into the daemon's store (a second key, granted to
     # a crew by nobody) is listed as refused and never injected, even after a push.
     assert (
-        ctl_stdin(app, KEY_TWO, "cred", "add", "claude2", "--provider", "anthropic").returncode == 0
+        app.ctl_stdin(KEY_TWO, "cred", "add", "claude2", "--provider", "anthropic").returncode == 0
     )
     assert app.ctl("cred", "revoke", "claude", crew).returncode == 0
     db = sqlite3.connect(app.state_dir / "credentials.db", isolation_level=None)

@@ -14,7 +14,7 @@ import pytest
 from appliance.journal.store import tail
 from tests.daemon_support import Appliance
 from tests.fake_ollama import MODEL, Content, FakeOllama, running_fake_ollama
-from tests.test_credentials_cli import STORE_KEY, ctl_stdin
+from tests.test_credentials_cli import STORE_KEY
 
 pytestmark = pytest.mark.docker
 
@@ -58,7 +58,7 @@ def test_keeper_through_a_real_daemon(appliance: Appliance, ollama: FakeOllama) 
     code, created = app.ctl_json("crew", "create", crew)
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
-    done = ctl_stdin(app, VALUE, "cred", "add", "gh", "--provider", "github", "--level", "L1")
+    done = app.ctl_stdin(VALUE, "cred", "add", "gh", "--provider", "github", "--level", "L1")
     assert done.returncode == 0, done.stderr
     code, _ = app.ctl_json("cred", "grant", "gh", crew)
     assert code == 0

@@ -25,7 +25,6 @@ from appliance.daemon.config import load_config
 from appliance.daemon.main import KEEPER_SOCKET, keeper_dir
 from appliance.demo_upstream import FakeServer
 from appliance.hardening import CAPABILITY_FIELDS, process_status
-from tests.conftest import ROOT, proxy_env
 from tests.daemon_support import Appliance
 
 pytestmark = pytest.mark.docker
@@ -107,15 +106,7 @@ def test_workers_are_unprivileged_and_out_of_a_crews_reach(
         assert b"--drop-to" in cmdline and b"1002:1002" in cmdline
 
     # A credential in the store, granted to the crew: the workers hold its value in memory.
-    stored = subprocess.run(
-        [*app.ctl_argv(), "cred", "add", "claude", "--provider", "anthropic"],
-        input=STORED_VALUE,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=proxy_env(),
-        cwd=ROOT,
-    )
+    stored = app.ctl_stdin(STORED_VALUE, "cred", "add", "claude", "--provider", "anthropic")
     assert stored.returncode == 0, stored.stderr
     crew = app.crew("privsep")
     code, created = app.ctl_json("crew", "create", crew)
