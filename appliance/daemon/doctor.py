@@ -139,6 +139,10 @@ def _pool(config: ApplianceConfig) -> Check:
     return Check("address pool", True, True, f"{pool} is free on this host")
 
 
+# The system account (no login, no home) that ansible/ creates to reserve the workers' ids.
+PROXY_ACCOUNT = "appliance-proxy"
+
+
 def _uids(pid: str) -> list[int]:
     try:
         with open(f"/proc/{pid}/status") as status:
@@ -165,8 +169,8 @@ def _is_worker(pid: str) -> bool:
 def _proxy_identity(config: ApplianceConfig) -> Check:
     """The workers' uid must be theirs alone: any other process with it could signal them (stop,
     kill) and read whatever they leave readable to their uid. Not required: an account holding
-    the uid is a warning (it may be one made for them, with no login); a foreign process is not
-    fatal to start either, but the operator should know."""
+    the uid is a warning unless it is PROXY_ACCOUNT (made for them by ansible/, no login); a
+    foreign process is not fatal to start either, but the operator should know."""
     import pwd
 
     uid = config.proxy.uid
@@ -183,7 +187,9 @@ def _proxy_identity(config: ApplianceConfig) -> Check:
     )
     if others:
         detail += f"; processes other than proxy workers run with it: {', '.join(others[:10])}"
-    return Check("proxy identity", not others and account is None, False, detail)
+    # The account ansible/ creates to reserve the ids is theirs; any other name is someone's.
+    expected = account in (None, PROXY_ACCOUNT)
+    return Check("proxy identity", not others and expected, False, detail)
 
 
 def run_checks(config: ApplianceConfig) -> Report:
