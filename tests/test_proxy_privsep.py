@@ -58,6 +58,8 @@ try:
     print("closed" if sock.recv(100) == b"" else "answered")
 except ConnectionResetError:
     print("reset")
+except BrokenPipeError:  # closed before the request was even written
+    print("closed")
 """
 
 
