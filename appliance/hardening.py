@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import resource
 
@@ -106,7 +107,7 @@ def drop_privileges(uid: int, gid: int) -> None:
     for cap in range(_last_capability() + 1):
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             error = ctypes.get_errno()
-            if error != 22:  # EINVAL: a capability this kernel does not know
+            if error != errno.EINVAL:  # a capability this kernel does not know
                 raise PrivilegeDropError(
                     error, f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(error)}"
                 )

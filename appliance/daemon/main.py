@@ -126,10 +126,6 @@ class Daemon:
             raise Unavailable(f"another applianced holds {self.state_dir}") from None
         self._lock_fd = fd
 
-    @property
-    def _proxy_ids(self) -> tuple[int, int] | None:
-        return self.proxy.drop_to
-
     def _keeper_peer_allowed(self, pid: int, uid: int, gid: int) -> bool:
         if pid not in self.proxy.pids:
             return False
@@ -223,7 +219,7 @@ class Daemon:
                 path=str(keeper.path), token=keeper.token
             )
             async with trio.open_nursery() as nursery:
-                await nursery.start(keeper.serve, self._proxy_ids)
+                await nursery.start(keeper.serve, self.proxy.drop_to)
                 await nursery.start(recorder.watch_backpressure)
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())

@@ -73,9 +73,8 @@ CREATE VIRTUAL TABLE IF NOT EXISTS entries_fts USING fts5(
 CREATE TRIGGER IF NOT EXISTS entries_fts_insert AFTER INSERT ON entries
 BEGIN INSERT INTO entries_fts (rowid, summary, payload) VALUES (new.seq, new.summary, new.payload);
 END;
--- Where each ingested source (the proxy's event file) was read up to; written in the same
--- transaction as the entries read from it, so nothing is ingested twice or skipped.
-CREATE TABLE IF NOT EXISTS cursors (source TEXT PRIMARY KEY, position INTEGER NOT NULL);
+-- (Journals written before the proxy's events came over channels also hold a `cursors` table,
+-- where the proxy's event file was read up to; nothing reads or writes it any more.)
 """
 
 SYNCHRONOUS = ("FULL", "NORMAL", "OFF")
@@ -197,9 +196,7 @@ class Journal:
         self.capacity = capacity
         self.max_batch = max_batch
         self.synchronous = synchronous
-        self._queue: collections.deque[tuple[E.Entry, Ticket, tuple[str, int] | None]] = (
-            collections.deque()
-        )
+        self._queue: collections.deque[tuple[E.Entry, Ticket]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,10 +228,9 @@ class Journal:
         entry: E.Entry,
         *,
         on_done: Callable[[], None] | None = None,
-        cursor: tuple[str, int] | None = None,
     ) -> Ticket:
         """Queue an entry; never blocks. Raises JournalFull at capacity, JournalClosed after
-        close(). `cursor` (source, position) is recorded in the same transaction."""
+        close()."""
         ticket = Ticket(on_done)
         with self._cond:
             if self._closing:
@@ -243,7 +239,7 @@ class Journal:
                 raise JournalFull(
                     f"the journal's queue is full ({self.capacity} entries waiting for disk)"
                 )
-            self._queue.append((entry, ticket, cursor))
+            self._queue.append((entry, ticket))
             self._cond.notify()
         return ticket
 
@@ -281,10 +277,10 @@ class Journal:
             try:
                 seqs = self._write_batch(batch)
             except BaseException as exc:  # disk full, I/O error: every ticket learns it
-                for _, ticket, _ in batch:
+                for _, ticket in batch:
                     ticket._finish(None, exc)
                 continue
-            for (_, ticket, _), seq in zip(batch, seqs, strict=True):
+            for (_, ticket), seq in zip(batch, seqs, strict=True):
                 ticket._finish(seq)
 
     def _prepare(self, entry: E.Entry) -> tuple[E.Entry, str, str]:
@@ -303,29 +299,20 @@ class Journal:
         summary = self.scrubber.scrub_text(scrubbed.summary())
         return scrubbed, payload.decode("utf-8", "surrogateescape"), summary
 
-    def _write_batch(
-        self, batch: list[tuple[E.Entry, Ticket, tuple[str, int] | None]]
-    ) -> list[int]:
+    def _write_batch(self, batch: list[tuple[E.Entry, Ticket]]) -> list[int]:
         rows = []
         seq, prev = self._seq, self._hash
-        cursors: dict[str, int] = {}
-        for entry, _, cursor in batch:
+        for entry, _ in batch:
             scrubbed, payload, summary = self._prepare(entry)
             seq += 1
             digest = chain_hash(prev, seq, summary, payload)
             tag = str(type(scrubbed).__struct_config__.tag)
             rows.append((seq, scrubbed.ts, tag, *_scope(scrubbed), summary, payload, prev, digest))
             prev = digest
-            if cursor is not None:
-                cursors[cursor[0]] = cursor[1]
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.executemany("INSERT INTO entries VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-            conn.executemany(
-                "INSERT OR REPLACE INTO cursors (source, position) VALUES (?, ?)",
-                list(cursors.items()),
-            )
             conn.execute("COMMIT")  # synchronous=FULL: the WAL is fsync'd before this returns
         except BaseException:
             conn.execute("ROLLBACK")
@@ -346,13 +333,6 @@ class Journal:
             os.fdatasync(self._anchor_fd)
 
     # -- readers (own connections: WAL readers never wait for the writer) --------------------
-
-    def cursor(self, source: str) -> int:
-        with _reader(self.path) as conn:
-            row = conn.execute(
-                "SELECT position FROM cursors WHERE source = ?", (source,)
-            ).fetchone()
-        return int(row[0]) if row else 0
 
     def tail(
         self,
