@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from proxycore import control
     from proxycore.config import ProxyConfig
-    from proxycore.events import EventSink
+    from proxycore.io.sinks import EventSink
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_UNREACHABLE = 3, 4, 5
@@ -54,7 +54,7 @@ class _Output:
 
 
 def make_sink(config: ProxyConfig, worker: int = 0) -> EventSink:
-    from proxycore.events import JsonLinesSink, NullSink
+    from proxycore.io.sinks import JsonLinesSink, NullSink
 
     events = config.events
     if events.path is None:
@@ -87,7 +87,7 @@ def run_proxy_worker(
     from appliance.hardening import drop_privileges, forbid_core_dumps
     from native import headscan
     from native.scrub import native_missing_notice
-    from proxycore.events import ChannelSink
+    from proxycore.io.sinks import ChannelSink
     from proxycore.server import ProxyRuntime, serve
 
     # The proxy holds every key it injects: no core dump, no ptrace, /proc/PID root-only.

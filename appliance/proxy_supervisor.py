@@ -23,7 +23,7 @@ import trio
 
 from proxycore import control
 from proxycore.config import ProxyConfig
-from proxycore.control_server import ControlClient, serve_control_socket
+from proxycore.io.control_server import ControlClient, serve_control_socket
 
 
 def _worker_main(config: ProxyConfig, index: int, channel: socket.socket) -> None:

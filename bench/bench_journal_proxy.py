@@ -68,7 +68,7 @@ def run_host(args: argparse.Namespace) -> int:
     from appliance.journal import Journal
     from appliance.journal.recorder import JournalRecorder
     from proxycore import control
-    from proxycore.control_server import ChannelClient
+    from proxycore.io.control_server import ChannelClient
 
     workdir = Path(args.workdir)
     config = workdir / "proxy.toml"

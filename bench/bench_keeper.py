@@ -29,7 +29,7 @@ from appliance.journal.recorder import JournalRecorder
 from appliance.journal.store import Journal
 from appliance.keeper.gatekeeper import GatekeeperConfig
 from appliance.keeper.service import KeeperService
-from proxycore.keeper import Action, Level, check_intent, fast_path_allows, parse_command
+from proxycore.protocol.keeper import Action, Level, check_intent, fast_path_allows, parse_command
 
 BODY = json.dumps(
     {"credential": "gh", "intent": "list the open pull requests of org/repo"}

@@ -38,7 +38,7 @@ from appliance.daemon.errors import ConfigInvalid, DaemonError, InvalidRequest
 from appliance.daemon.state import CrewPhase, CrewRow, StateStore
 from appliance.runtime.subprocess_provider import SubprocessProvider
 from netns.addressing import check_crew_id
-from proxycore.policy import normalize_host
+from proxycore.protocol.policy import normalize_host
 
 PREFIX = "fz-"
 _STATE = tempfile.TemporaryDirectory(prefix="fuzz-daemon-")

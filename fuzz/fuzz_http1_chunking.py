@@ -1,4 +1,4 @@
-"""Fuzz proxycore.http1 for segmentation independence and for its error contract.
+"""Fuzz proxycore.protocol.http1 for segmentation independence and for its error contract.
 
 Run:  python fuzz/fuzz_http1_chunking.py -runs=200000 /tmp/corpus_http1_chunking
 (atheris is imported only under __main__; tests import `TestOneInput` and `SEEDS` without it.)
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxycore.errors import HttpProtocolError
-from proxycore.http1 import (
+from proxycore.protocol.http1 import (
     BodyKind,
     BodyReader,
     Limits,

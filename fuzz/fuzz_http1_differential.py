@@ -1,4 +1,4 @@
-"""Differential fuzzing of proxycore.http1 against h11 (the oracle).
+"""Differential fuzzing of proxycore.protocol.http1 against h11 (the oracle).
 
 Run:  python fuzz/fuzz_http1_differential.py -runs=200000 /tmp/corpus_http1_diff
 (atheris is imported only under __main__; tests import `TestOneInput` and `SEEDS` without it.)
@@ -32,7 +32,7 @@ import h11
 from h11._connection import _keep_alive
 
 from proxycore.errors import HttpProtocolError
-from proxycore.http1 import (
+from proxycore.protocol.http1 import (
     BodyKind,
     BodyReader,
     RequestHead,

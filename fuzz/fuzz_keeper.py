@@ -1,4 +1,4 @@
-"""Fuzz the keeper's validation (proxycore.keeper) against its invariants.
+"""Fuzz the keeper's validation (proxycore.protocol.keeper) against its invariants.
 
 Run:  python fuzz/fuzz_keeper.py -runs=300000 /tmp/corpus_keeper
 (atheris is imported only here; tests import `TestOneInput` and `SEEDS` without it.)
@@ -28,7 +28,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from appliance.keeper.gatekeeper import AnswerReader, verdict_from_content
-from proxycore.keeper import (
+from proxycore.protocol.keeper import (
     COMMAND_SUBSTITUTION,
     MAX_FIELD_LENGTH,
     METACHARACTERS,

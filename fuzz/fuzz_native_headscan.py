@@ -25,8 +25,8 @@ if __name__ == "__main__":
 
 from fuzz.fuzz_http1_differential import build_input
 from native import headscan
-from proxycore import http1
 from proxycore.errors import HttpProtocolError
+from proxycore.protocol import http1
 
 _LIMITS = (
     http1.DEFAULT_LIMITS,

@@ -26,7 +26,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxycore.errors import PolicyDenied
-from proxycore.policy import (
+from proxycore.protocol.policy import (
     DEFAULT_ALLOWED_HOSTS,
     RULE_ALLOWLISTED,
     RULE_IP_SHORTHAND,
@@ -42,7 +42,7 @@ from proxycore.policy import (
     normalize_host,
     parse_authority,
 )
-from proxycore.ssrf import AddressGuard
+from proxycore.protocol.ssrf import AddressGuard
 
 _ALLOWLIST = Allowlist([*DEFAULT_ALLOWED_HOSTS, "github.com", "10.1.2.3", "::1", "[2001:db8::5]"])
 _MEMBERS = frozenset(host.encode("ascii") for host in _ALLOWLIST)

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from proxycore.config import parse_config
 from proxycore.errors import PolicyDenied
-from proxycore.events import MemorySink
-from proxycore.fastio import PlainStream
+from proxycore.io.fastio import PlainStream
+from proxycore.io.sinks import MemorySink
 from proxycore.server import ClientConnection, ProxyRuntime
 
 SECRET = "sk-ant-api03-FUZZ-SECRET-never-echo-0000000000"

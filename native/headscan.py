@@ -1,8 +1,8 @@
 """Typed wrapper over the C head scanner (`native/src/headscan.c`).
 
 `scan_head` returns the facts of a head the scanner accepted, or None: the caller then runs the
-reference parser (proxycore.http1), which is also what happens when the extension is not built
-(`AVAILABLE` is False). The scanner never refuses anything itself; see headscan.h.
+reference parser (proxycore.protocol.http1), which is also what happens when the extension is not
+built (`AVAILABLE` is False). The scanner never refuses anything itself; see headscan.h.
 
 The boundary is kept thin on purpose (one call, one `ffi.unpack`): on a head of a few hundred
 bytes, crossing into C costs as much as the scan.

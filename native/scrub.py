@@ -7,8 +7,8 @@
 
 A `Scrubber` is immutable after construction, so one instance is shared by every task and thread;
 each stream holds only its own pending bytes. To add or rotate a credential, build a new
-`Scrubber` and swap the reference (`proxycore.scrubbing.ScrubberHolder` does this for the proxy):
-streams already running finish on the one they started with.
+`Scrubber` and swap the reference (`proxycore.protocol.scrubbing.ScrubberHolder` does this for the
+proxy): streams already running finish on the one they started with.
 
 The engine is the C one (`src/scrub.c`) when it is built, else the Python reference
 (`scrub_reference.py`), which defines the output; `ENGINE` says which, and `native_missing_notice`

@@ -22,10 +22,9 @@ from typing import Annotated
 import msgspec
 
 from native.scrub_patterns import token_shape
-
-from .errors import ConfigError
-from .policy import Allowlist, NetworkMode, normalize_host, parse_mode
-from .ssrf import AddressGuard
+from proxycore.errors import ConfigError
+from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host, parse_mode
+from proxycore.protocol.ssrf import AddressGuard
 
 # Documented defaults, compared with other servers in docs/limits.md.
 DEFAULT_PORT = 9119
@@ -249,7 +248,7 @@ def _check_base_url(url: str, key: str, fail: Callable[[str, str], ConfigError])
 
 
 def crew_policy(crew: CrewConfig) -> tuple[NetworkMode, Allowlist]:
-    from .policy import DEFAULT_ALLOWED_HOSTS
+    from proxycore.protocol.policy import DEFAULT_ALLOWED_HOSTS
 
     mode, _ = parse_mode(crew.mode)
     return mode, Allowlist([*DEFAULT_ALLOWED_HOSTS, *crew.allow])

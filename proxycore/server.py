@@ -37,11 +37,17 @@ import msgspec
 import trio
 
 from native.scrub_patterns import PatternError
-
-from . import control, http1, tunnel
-from .config import DEFAULT_BASE_URLS, CrewConfig, ProxyConfig, crew_policy, validate
-from .control_server import serve_control_channel, serve_control_socket
-from .credentials import (
+from proxycore import control
+from proxycore.config import DEFAULT_BASE_URLS, CrewConfig, ProxyConfig, crew_policy, validate
+from proxycore.errors import HttpProtocolError, PolicyDenied, ProxyError, UpstreamError
+from proxycore.io import tunnel
+from proxycore.io.control_server import serve_control_channel, serve_control_socket
+from proxycore.io.fastio import ByteStream, PlainStream
+from proxycore.io.keeper_client import KeeperUnavailable, forward_to_keeper
+from proxycore.io.sinks import BatchingSink, EventSink
+from proxycore.io.upstream import Dialer, UpstreamConnection, make_tls_context
+from proxycore.protocol import http1
+from proxycore.protocol.credentials import (
     Credential,
     Provider,
     ProviderRoute,
@@ -49,12 +55,9 @@ from .credentials import (
     rewrite_for_provider,
     route_for,
 )
-from .errors import HttpProtocolError, PolicyDenied, ProxyError, UpstreamError
-from .events import (
+from proxycore.protocol.events import (
     AllowlistChanged,
-    BatchingSink,
     CredentialInjected,
-    EventSink,
     KeeperCallRefused,
     PolicyWarning,
     RequestAllowed,
@@ -62,10 +65,8 @@ from .events import (
     TunnelClosed,
     TunnelOpened,
 )
-from .fastio import ByteStream, PlainStream
-from .keeper import Action, KeeperRefused, check_intent, parse_command
-from .keeper_client import KeeperUnavailable, forward_to_keeper
-from .policy import (
+from proxycore.protocol.keeper import Action, KeeperRefused, check_intent, parse_command
+from proxycore.protocol.policy import (
     Allowlist,
     EgressDecision,
     NetworkMode,
@@ -74,8 +75,8 @@ from .policy import (
     parse_authority,
     parse_mode,
 )
-from .refusals import Refusal, json_response, local_json, refusal
-from .scrubbing import (
+from proxycore.protocol.refusals import Refusal, json_response, local_json, refusal
+from proxycore.protocol.scrubbing import (
     IDENTITY,
     ScrubberHolder,
     configured_shapes,
@@ -83,8 +84,7 @@ from .scrubbing import (
     scrub_json_lines,
     unscrubbable_encoding,
 )
-from .ssrf import AddressGuard
-from .upstream import Dialer, UpstreamConnection, make_tls_context
+from proxycore.protocol.ssrf import AddressGuard
 
 log = logging.getLogger("proxycore")
 
@@ -157,7 +157,8 @@ class ProxyRuntime:
         # (`credentials_set`); for that crew it takes precedence over the route's own.
         self.crew_credentials: dict[str, dict[Provider, Credential]] = {}
         self.retired_secrets: dict[tuple[str, bytes], None] = {}  # ordered: oldest first
-        # Everything relayed back to a crew passes through this (see proxycore/scrubbing.py).
+        # Everything relayed back to a crew passes through this
+        # (see proxycore/protocol/scrubbing.py).
         self.scrubbers = ScrubberHolder(
             route_secrets(self.routes_by_name.values()), configured_shapes(config.scrub.shapes)
         )
@@ -1297,7 +1298,7 @@ class _UpstreamClosedEarly(Exception):
 
 
 # Replaced by the proxy's own: the framing, and the codings the agent accepts (the proxy asks for
-# identity so that the scrubber reads the response body; see proxycore/scrubbing.py).
+# identity so that the scrubber reads the response body; see proxycore/protocol/scrubbing.py).
 _REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect", b"accept-encoding"})
 # After "http://": the authority runs to the first "/", "?" or "#"; the path and query run to
 # the fragment, which is dropped (RFC 9110 4.2.1: never sent to the origin).

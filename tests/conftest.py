@@ -133,7 +133,7 @@ class RunningProxy:
         return f"http://{self.host}:{self.port}"
 
     def events(self) -> list[object]:
-        from proxycore.events import decode_events
+        from proxycore.protocol.events import decode_events
 
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:

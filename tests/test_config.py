@@ -9,8 +9,9 @@ import pytest
 
 from proxycore.config import parse_config
 from proxycore.errors import ConfigError
-from proxycore.events import MemorySink, PolicyWarning
-from proxycore.policy import NetworkMode
+from proxycore.io.sinks import MemorySink
+from proxycore.protocol.events import PolicyWarning
+from proxycore.protocol.policy import NetworkMode
 from proxycore.server import ProxyRuntime
 
 BASE = """

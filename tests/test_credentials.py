@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxycore.credentials import (
+from proxycore.protocol.credentials import (
     Credential,
     Provider,
     rewrite_for_provider,

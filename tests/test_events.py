@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 
-from proxycore.events import (
+from proxycore.io.sinks import JsonLinesSink
+from proxycore.protocol.events import (
     CredentialInjected,
     EventsDropped,
-    JsonLinesSink,
     RequestAllowed,
     decode_events,
 )

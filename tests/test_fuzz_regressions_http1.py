@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 
 from proxycore.errors import HttpProtocolError
-from proxycore.http1 import BodyReader, parse_request_head, parse_response_head
+from proxycore.protocol.http1 import BodyReader, parse_request_head, parse_response_head
 
 _FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 

@@ -1,4 +1,4 @@
-"""Tests of the strict HTTP/1.1 parser and serializer (proxycore.http1).
+"""Tests of the strict HTTP/1.1 parser and serializer (proxycore.protocol.http1).
 
 Table-driven: what we read (and exactly how), what we refuse (and with which status_hint),
 then hypothesis properties: serialize -> parse round trips, h11 agreement on generated valid
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxycore.errors import HttpProtocolError
-from proxycore.http1 import (
+from proxycore.protocol.http1 import (
     DEFAULT_LIMITS,
     HOP_BY_HOP,
     LAST_CHUNK,

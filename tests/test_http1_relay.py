@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxycore import http1
+from proxycore.protocol import http1
 
 NAMES = [
     b"Host",

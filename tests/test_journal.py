@@ -404,7 +404,7 @@ def test_ingest_waits_when_full_signals_and_loses_nothing(tmp_path: Path) -> Non
     import trio
 
     from appliance.journal.recorder import UNREADABLE_EVENT, JournalRecorder
-    from proxycore import events as pe
+    from proxycore.protocol import events as pe
 
     encoder = msgspec.json.Encoder()
 
@@ -469,7 +469,7 @@ def test_a_batch_of_requests_is_one_entry_per_crew_in_order() -> None:
     """entries_for_batch: a crew's allowed (and denied) requests in one batch are one entry,
     in the place of the first, each request kept with its own time; other events keep theirs."""
     from appliance.journal.recorder import UNREADABLE_EVENT, entries_for_batch
-    from proxycore import events as pe
+    from proxycore.protocol import events as pe
 
     def allowed(crew: str, host: str, ts: float) -> pe.RequestAllowed:
         return pe.RequestAllowed(
@@ -518,10 +518,11 @@ def test_channel_sink_backlog_refuses_rather_than_loses(tmp_path: Path) -> None:
 
     import trio
 
-    from proxycore import events as pe
+    from proxycore.io.sinks import ChannelSink
+    from proxycore.protocol import events as pe
 
     ours, theirs = socket.socketpair()
-    sink = pe.ChannelSink(theirs, flush_interval=0.01, max_batch=64, max_pending=1000)
+    sink = ChannelSink(theirs, flush_interval=0.01, max_batch=64, max_pending=1000)
     received = bytearray()
 
     async def main() -> None:

@@ -1,10 +1,11 @@
-"""The keeper's validation rules (proxycore.keeper): the L1 fast path and the command check."""
+"""The keeper's validation rules (proxycore.protocol.keeper): the L1 fast path and the command
+check."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxycore.keeper import (
+from proxycore.protocol.keeper import (
     MAX_FIELD_LENGTH,
     RULE_CONTROL_CHARACTER,
     RULE_EMPTY_COMMAND,

@@ -24,7 +24,7 @@ from appliance.keeper.service import KeeperService
 from appliance.runtime.base import CrewSpec
 from appliance.runtime.subprocess_provider import SubprocessProvider
 from proxycore import control
-from proxycore.keeper_client import KeeperUnavailable, forward_to_keeper
+from proxycore.io.keeper_client import KeeperUnavailable, forward_to_keeper
 from tests.conftest import free_port, proxy_env, write_proxy_config
 from tests.fake_ollama import MODEL, Content, FakeOllama, Slow, running_fake_ollama
 from tests.test_daemon_proxy_channel import curl, listening, request

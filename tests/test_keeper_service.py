@@ -16,7 +16,7 @@ from appliance.keeper.gatekeeper import GatekeeperConfig
 from appliance.keeper.service import KeeperService, env_name
 from appliance.runtime.base import CrewSpec
 from appliance.runtime.subprocess_provider import SubprocessProvider
-from proxycore.keeper import Action
+from proxycore.protocol.keeper import Action
 from tests.fake_ollama import MODEL, Content, FakeOllama, running_fake_ollama
 
 KEY = bytes(range(32))

@@ -1,7 +1,7 @@
 """The C head scanner (native/src/headscan.c) reads exactly what the Python reference reads.
 
-It is a front for proxycore.http1: it accepts the common case or defers, never refuses. These
-tests hold it to the reference on generated heads (Hypothesis), on each refusal class (it must
+It is a front for proxycore.protocol.http1: it accepts the common case or defers, never refuses.
+These tests hold it to the reference on generated heads (Hypothesis), on each refusal class (it must
 defer), and replay the seeds of fuzz/fuzz_native_headscan.py.
 """
 
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from native import headscan
-from proxycore import http1
+from proxycore.protocol import http1
 
 _FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 

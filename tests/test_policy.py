@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxycore.errors import PolicyDenied
-from proxycore.policy import (
+from proxycore.protocol.policy import (
     DEFAULT_ALLOWED_HOSTS,
     Allowlist,
     EgressDecision,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from appliance.demo_upstream import FakeServer
-from proxycore.events import (
+from proxycore.protocol.events import (
     CredentialInjected,
     RequestAllowed,
     RequestDenied,

@@ -35,7 +35,7 @@ from native.scrub_reference import (
     cap_zero_width,
     scrub_whole,
 )
-from proxycore.scrubbing import scrub_field_lines, scrub_json_lines, unscrubbable_encoding
+from proxycore.protocol.scrubbing import scrub_field_lines, scrub_json_lines, unscrubbable_encoding
 
 KEY = b"sk-ant-api03-Zx8Qw2Lm4Np6Rt1Vb3Yc5Hd7Jf9Kg0Ps2Uq4Wo6Ei8"
 DB = b"correct-horse-battery-staple-1987"

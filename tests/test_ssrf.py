@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxycore.ssrf import AddressGuard, AddressVerdict
+from proxycore.protocol.ssrf import AddressGuard, AddressVerdict
 
 
 @pytest.fixture(scope="module")

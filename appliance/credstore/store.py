@@ -105,7 +105,7 @@ CHECK_PLAINTEXT = b"agent-appliance credential store key check"
 MAX_VALUE_BYTES = 64 * 1024
 # Random nonces: NIST's limit for one key is 2**32 encryptions; a store writes a handful a day.
 
-# The providers the proxy injects for (proxycore.credentials.Provider); other providers are
+# The providers the proxy injects for (proxycore.protocol.credentials.Provider); other providers are
 # named secrets for the keeper.
 PROXY_PROVIDERS = ("anthropic", "openai", "google")
 ANTHROPIC_OAUTH_PREFIX = b"sk-ant-oat"

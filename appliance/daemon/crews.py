@@ -79,7 +79,7 @@ from netns import CrewNetworks, NetnsError, netns_of_pid
 from netns.addressing import check_crew_id
 from netns.manager import NetworkReport
 from proxycore.errors import PolicyDenied
-from proxycore.policy import Allowlist, NetworkMode, normalize_host
+from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host
 
 from . import messages
 from .config import ApplianceConfig

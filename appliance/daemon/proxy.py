@@ -43,7 +43,7 @@ import trio
 
 from proxycore import control
 from proxycore.config import ProxyConfig
-from proxycore.control_server import ChannelClient
+from proxycore.io.control_server import ChannelClient
 
 from .errors import Unavailable
 

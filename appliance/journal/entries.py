@@ -68,7 +68,7 @@ class RunTimeout(Entry, frozen=True, tag="run.timeout"):
         return f"run timed out after {self.duration:.3f} s"
 
 
-# -- the proxy's decisions (from proxycore.events) ---------------------------------------------
+# -- the proxy's decisions (from proxycore.protocol.events) ----------------------------------------
 
 
 class AllowedRequest(msgspec.Struct, frozen=True, array_like=True):

@@ -11,8 +11,8 @@ journal it records nothing, so CrewManager works unchanged in tests that do not 
 - `run()` wraps an exec's event stream: run.started before the first output, then exactly one of
   run.completed / run.timeout / run.failed / run.cancelled, all sharing the run id as trace id.
 - `ingest_proxy_channel()` reads one proxy worker's events channel (the worker sends JSON-lines
-  batches from its own task, never blocking a request: proxycore/events.py `ChannelSink`) and
-  turns each event into an entry. When the journal's queue is full it stops reading and calls
+  batches from its own task, never blocking a request: proxycore/protocol/events.py `ChannelSink`)
+  and turns each event into an entry. When the journal's queue is full it stops reading and calls
   `on_backpressure(True)`: applianced tells every worker to refuse crew traffic (503
   audit_unavailable); `watch_backpressure()` serves them again once the queue is under half
   full. Meanwhile events wait in the socket and in the worker's queue; a worker whose queue is
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from proxycore import events as pe
+from proxycore.protocol import events as pe
 
 from . import entries as E
 from .store import Journal, JournalFull
@@ -51,7 +51,7 @@ Backpressure = Callable[[bool], Awaitable[None]]
 
 
 def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
-    """The journal entry for one of the proxy's events (proxycore/events.py)."""
+    """The journal entry for one of the proxy's events (proxycore/protocol/events.py)."""
     crew = None if event.crew == "-" else event.crew
     common: dict[str, Any] = {"ts": event.ts, "crew": crew}
     if isinstance(event, pe.RequestAllowed):

@@ -39,7 +39,7 @@ from pathlib import Path
 import msgspec
 
 from native.scrub import Scrubber
-from proxycore.scrubbing import scrub_json_lines
+from proxycore.protocol.scrubbing import scrub_json_lines
 
 from . import entries as E
 

@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-The proxy worker forwards the keeper routes of a crew's local API here (proxycore/keeper_client.py).
-Two independent checks admit a connection, both before a byte of the request is read:
+The proxy worker forwards the keeper routes of a crew's local API here
+(proxycore/io/keeper_client.py). Two independent checks admit a connection, both before a byte
+of the request is read:
 
 1. SO_PEERCRED: the kernel's record of the connecting process (pid, uid, gid), which the peer
    cannot forge; `peer_allowed` decides (applianced: the pid is one of its running proxy
@@ -37,7 +38,7 @@ import msgspec
 import trio
 
 from appliance.keeper.service import MAX_BODY_BYTES, Answer, KeeperService
-from proxycore.keeper import Action
+from proxycore.protocol.keeper import Action
 
 log = logging.getLogger("applianced.keeper")
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Every keeper request that the L1 fast path (proxycore.keeper) does not allow is scored by a
+Every keeper request that the L1 fast path (proxycore.protocol.keeper) does not allow is scored by a
 local model through the Ollama HTTP API. This module is sans-IO: `encode_chat_request` turns a
 `KeeperQuery` into the bytes of one `POST /api/chat` (HTTP/1.1 through h11, `format: "json"`,
 `stream: false`, temperature 0), and `AnswerReader` consumes the bytes that come back and yields

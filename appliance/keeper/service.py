@@ -6,7 +6,8 @@ The proxy worker forwards `POST /keeper/request` and `POST /keeper/execute` here
 taken from the gateway the agent's connection arrived on (never from the body). applianced does
 not trust the worker's checks (defence in depth, as the source documents say), so `handle`:
 
-1. decodes the body (`KeeperBody`, unknown fields refused) and re-runs proxycore.keeper's rules:
+1. decodes the body (`KeeperBody`, unknown fields refused) and re-runs proxycore.protocol.keeper's
+rules:
    intent (empty/whitespace refused), and for execute the command check and the argv split;
 2. looks the credential up *for this crew and agent*: an ungranted, revoked or unknown
    credential gets the same answer (a crew learns nothing of others' credentials);
@@ -43,7 +44,7 @@ from appliance.keeper.gatekeeper import (
 from appliance.keeper.ollama import ask_gatekeeper
 from appliance.runtime.base import ExecExited, ExecOutput, RuntimeProvider
 from native.scrub import Scrubber
-from proxycore.keeper import (
+from proxycore.protocol.keeper import (
     Action,
     KeeperRefused,
     Level,

@@ -62,7 +62,7 @@ static const struct {
     {"accept-encoding", APX_F_ACCEPT_ENCODING},
     {"content-encoding", APX_F_CONTENT_ENCODING},
 };
-#define HOP_BY_HOP_MASK 0x3ffu /* the first ten: proxycore.http1.HOP_BY_HOP */
+#define HOP_BY_HOP_MASK 0x3ffu /* the first ten: proxycore.protocol.http1.HOP_BY_HOP */
 
 static uint32_t classify(const uint8_t *name, size_t n) {
     /* The shortest known name is 2 bytes, the longest 19. */

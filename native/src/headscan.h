@@ -1,7 +1,7 @@
-/* headscan: the accept path of proxycore.http1's head parser, in C.
+/* headscan: the accept path of proxycore.protocol.http1's head parser, in C.
  *
- * The Python parser (proxycore/http1.py) is the reference. apx_scan_head either accepts a head
- * exactly as the reference would, filling in the facts the reference computes, or returns
+ * The Python parser (proxycore/protocol/http1.py) is the reference. apx_scan_head either accepts
+ * a head exactly as the reference would, filling in the facts the reference computes, or returns
  * APX_DEFER, and the reference decides (incomplete heads, refusals, anything unusual). So this
  * code never has to reproduce an error message, only the common case, and the differential tests
  * (tests/test_native_headscan.py, fuzz/fuzz_native_headscan.py) hold it to one invariant: when it

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import trio
 
-from .fastio import PlainStream
+from proxycore.io.fastio import PlainStream
 
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ / F_GETPIPE_SZ, missing from older Python builds
 _F_GETPIPE_SZ = 1032

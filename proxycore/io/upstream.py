@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .errors import PolicyDenied, UpstreamError
-from .fastio import ByteStream, PlainStream, TlsStream
-from .ssrf import AddressGuard
+from proxycore.errors import PolicyDenied, UpstreamError
+from proxycore.io.fastio import ByteStream, PlainStream, TlsStream
+from proxycore.protocol.ssrf import AddressGuard
 
 PoolKey = tuple[bool, str, int]
 IDLE_POOL_SECONDS = 30.0

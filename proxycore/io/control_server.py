@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import msgspec
 import trio
 
-from . import control
+from proxycore import control
 
 Handler = Callable[[control.ControlMessage], Awaitable[control.ControlReply]]
 # A handler for the parent's channel: the second argument is the listening socket that came with

@@ -13,7 +13,7 @@ from __future__ import annotations
 import h11
 import trio
 
-from .errors import ProxyError
+from proxycore.errors import ProxyError
 
 # An execute may run for its 120 s limit after the model's answer: the worker waits longer.
 FORWARD_TIMEOUT_SECONDS = 180.0

@@ -25,9 +25,8 @@ import msgspec
 
 from native.scrub import Scrubber
 from native.scrub_patterns import DEFAULT_SHAPES, PatternError, Shape, token_shape
-
-from .config import ScrubShapeConfig
-from .errors import ConfigError
+from proxycore.config import ScrubShapeConfig
+from proxycore.errors import ConfigError
 
 IDENTITY = b"identity"
 

@@ -1,110 +1,26 @@
-"""Typed decision events and the sinks that carry them off the request path.
+"""Sinks: carry typed events (`proxycore.protocol.events`) off the request path.
 
-Theory of operation: every decision the data plane takes (allowed, denied, credential injected,
-tunnel opened and closed, allowlist changed) is a frozen msgspec Struct, tagged with its kind, and
-handed to an `EventSink` with `emit`, which never blocks and never awaits: the request path only
-appends to a buffer. A sink's `run` task, owned by the server's nursery, writes batches on a timer
-or when a batch is full. The journal of the control plane plugs in as another sink.
+Theory of operation: an event is handed to an `EventSink` with `emit`, which never blocks and
+never awaits: the request path only appends to a buffer. A sink's `run` task, owned by the
+server's nursery, writes batches on a timer or when a batch is full. The journal of the control
+plane plugs in as another sink (`ChannelSink`).
 
 If the writer falls behind by more than `max_pending` events, further events are counted and
 reported as one `EventsDropped` event instead of growing memory without bound; the count is never
-silently lost. No event carries a credential value: `CredentialInjected` names the provider only,
-and every batch passes through the scrubber before it is written, for what an event quotes from
-elsewhere (an upstream's words in a message, say).
+silently lost.
 """
 
 from __future__ import annotations
 
 import socket
 import sys
-import time
 from collections.abc import Callable
 from typing import IO, Protocol
 
 import msgspec
 import trio
 
-
-class Event(msgspec.Struct, frozen=True, tag_field="event", kw_only=True):
-    ts: float = msgspec.field(default_factory=time.time)
-    crew: str
-
-
-class RequestAllowed(Event, frozen=True, tag="request_allowed"):
-    mode: str
-    route: str  # "forward" | "reverse" | "tunnel"
-    method: str
-    host: str
-    port: int
-    address: str
-    rule: str
-
-
-class RequestDenied(Event, frozen=True, tag="request_denied"):
-    mode: str
-    route: str
-    method: str
-    host: str
-    port: int
-    rule: str
-    status: int
-
-
-class CredentialInjected(Event, frozen=True, tag="credential_injected"):
-    provider: str
-    host: str
-
-
-class TunnelOpened(Event, frozen=True, tag="tunnel_opened"):
-    tunnel_id: int
-    host: str
-    port: int
-    address: str
-
-
-class TunnelClosed(Event, frozen=True, tag="tunnel_closed"):
-    tunnel_id: int
-    host: str
-    port: int
-    bytes_up: int  # agent -> upstream
-    bytes_down: int  # upstream -> agent
-    duration: float
-    reason: str
-
-
-class AllowlistChanged(Event, frozen=True, tag="allowlist_changed"):
-    host: str
-    added: bool
-
-
-class PolicyWarning(Event, frozen=True, tag="policy_warning"):
-    message: str
-
-
-class EventsDropped(Event, frozen=True, tag="events_dropped"):
-    count: int
-
-
-class KeeperCallRefused(Event, frozen=True, tag="keeper_call_refused"):
-    """A keeper call the worker refused before forwarding it (proxycore/keeper.py's rules), so
-    that applianced journals it as a keeper decision too."""
-
-    action: str
-    credential: str  # as the body named it (truncated), "" if none
-    rule: str
-
-
-AnyEvent = (
-    RequestAllowed
-    | RequestDenied
-    | CredentialInjected
-    | TunnelOpened
-    | TunnelClosed
-    | AllowlistChanged
-    | PolicyWarning
-    | EventsDropped
-    | KeeperCallRefused
-)
+from proxycore.protocol.events import Event, EventsDropped
 
 
 class EventSink(Protocol):
@@ -285,9 +201,3 @@ class ChannelSink(BatchingSink):
                 except OSError:
                     pass
             self._sock.close()
-
-
-def decode_events(data: bytes) -> list[AnyEvent]:
-    """Parse a JSON-lines event log back into typed events (tests, tools)."""
-    decoder = msgspec.json.Decoder(AnyEvent)
-    return [decoder.decode(line) for line in data.splitlines() if line.strip()]

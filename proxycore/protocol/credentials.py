@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from proxycore.errors import ConfigError
 
 
 class Provider(enum.Enum):

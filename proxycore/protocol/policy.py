@@ -17,7 +17,7 @@ The allowlist is an exact-match set of normalized names: no suffix, parent, chil
 matching. `decide_egress` applies the crew's mode to a normalized host and returns a frozen
 `EgressDecision` naming the rule that decided; it never raises for bad input, so a caller cannot
 forget to catch. This is only the *name* policy: the adapter resolves the name afterwards and the
-SSRF guard (`proxycore.ssrf`) checks every resolved address in every mode, including FREE.
+SSRF guard (`proxycore.protocol.ssrf`) checks every resolved address in every mode, including FREE.
 
 IPv4 shorthand ("127.1", "2130706433", "0x7f.1", "0177.0.0.1") is not a dotted quad, so the
 normalizer treats it as a name; but `inet_aton` and `getaddrinfo` read it as an address, so
@@ -35,7 +35,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .errors import PolicyDenied
+from proxycore.errors import PolicyDenied
 
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",

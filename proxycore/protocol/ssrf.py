@@ -2,12 +2,12 @@
 
 Theory of operation
 -------------------
-The name policy (`proxycore.policy`) decides which *names* a crew may reach; it cannot know where
-a name points. After the adapter resolves a name (or is handed an IP literal) it passes every
-resulting address through `AddressGuard.check` before connecting, in every network mode, and
-connects only to addresses that were checked. Otherwise an agent could point a name it controls
-(or an allowlisted name whose DNS it can influence) at the loopback interface, the Docker host,
-the LAN or a cloud metadata service (the Capital One breach, 2019, was an SSRF against
+The name policy (`proxycore.protocol.policy`) decides which *names* a crew may reach; it cannot
+know where a name points. After the adapter resolves a name (or is handed an IP literal) it
+passes every resulting address through `AddressGuard.check` before connecting, in every network
+mode, and connects only to addresses that were checked. Otherwise an agent could point a name
+it controls (or an allowlisted name whose DNS it can influence) at the loopback interface, the
+Docker host, the LAN or a cloud metadata service (the Capital One breach, 2019, was an SSRF against
 169.254.169.254).
 
 Only globally routable unicast passes. The guard classifies with explicit tables built from the

@@ -1,0 +1,102 @@
+"""Typed decision events: what the data plane tells the journal (types only, no I/O).
+
+Every decision the data plane takes (allowed, denied, refused, credential injected, tunnel opened
+and closed, allowlist changed) is a frozen msgspec Struct, tagged with its kind. The sinks that
+carry them off the request path are in `proxycore.io.sinks`. No event carries a credential
+value: `CredentialInjected` names the provider only, and every batch passes through the scrubber
+before it is written, for what an event quotes from elsewhere (an upstream's words, say).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+
+class Event(msgspec.Struct, frozen=True, tag_field="event", kw_only=True):
+    ts: float = msgspec.field(default_factory=time.time)
+    crew: str
+
+
+class RequestAllowed(Event, frozen=True, tag="request_allowed"):
+    mode: str
+    route: str  # "forward" | "reverse" | "tunnel"
+    method: str
+    host: str
+    port: int
+    address: str
+    rule: str
+
+
+class RequestDenied(Event, frozen=True, tag="request_denied"):
+    mode: str
+    route: str
+    method: str
+    host: str
+    port: int
+    rule: str
+    status: int
+
+
+class CredentialInjected(Event, frozen=True, tag="credential_injected"):
+    provider: str
+    host: str
+
+
+class TunnelOpened(Event, frozen=True, tag="tunnel_opened"):
+    tunnel_id: int
+    host: str
+    port: int
+    address: str
+
+
+class TunnelClosed(Event, frozen=True, tag="tunnel_closed"):
+    tunnel_id: int
+    host: str
+    port: int
+    bytes_up: int  # agent -> upstream
+    bytes_down: int  # upstream -> agent
+    duration: float
+    reason: str
+
+
+class AllowlistChanged(Event, frozen=True, tag="allowlist_changed"):
+    host: str
+    added: bool
+
+
+class PolicyWarning(Event, frozen=True, tag="policy_warning"):
+    message: str
+
+
+class EventsDropped(Event, frozen=True, tag="events_dropped"):
+    count: int
+
+
+class KeeperCallRefused(Event, frozen=True, tag="keeper_call_refused"):
+    """A keeper call the worker refused before forwarding it (proxycore/protocol/keeper.py's
+    rules), so that applianced journals it as a keeper decision too."""
+
+    action: str
+    credential: str  # as the body named it (truncated), "" if none
+    rule: str
+
+
+AnyEvent = (
+    RequestAllowed
+    | RequestDenied
+    | CredentialInjected
+    | TunnelOpened
+    | TunnelClosed
+    | AllowlistChanged
+    | PolicyWarning
+    | EventsDropped
+    | KeeperCallRefused
+)
+
+
+def decode_events(data: bytes) -> list[AnyEvent]:
+    """Parse a JSON-lines event log back into typed events (tests, tools)."""
+    decoder = msgspec.json.Decoder(AnyEvent)
+    return [decoder.decode(line) for line in data.splitlines() if line.strip()]
