@@ -87,8 +87,9 @@ def run_proxy_worker(
     from appliance.hardening import drop_privileges, forbid_core_dumps
     from native import headscan
     from native.scrub import native_missing_notice
+    from proxycore.io.listener import serve
     from proxycore.io.sinks import ChannelSink
-    from proxycore.server import ProxyRuntime, serve
+    from proxycore.runtime import ProxyRuntime
 
     # The proxy holds every key it injects: no core dump, no ptrace, /proc/PID root-only.
     forbid_core_dumps()
@@ -515,6 +516,7 @@ def _crew_details(crew: dict[str, Any]) -> str:
         f"phase:    {crew['phase']}" + (f" ({crew['error']})" if crew.get("error") else ""),
         f"mode:     {crew['mode']}",
         f"allow:    {', '.join(crew['allow']) or '(provider hosts only)'}",
+        f"reach:    {', '.join(crew.get('ssrf_allow') or ()) or '-'} (ssrf_allow)",
         f"runtime:  {crew['runtime']}",
         f"memory:   {crew['memory_bytes'] // (1 << 20)} MiB",
         f"cpus:     {crew['cpus']}",
@@ -535,6 +537,7 @@ def cmd_crew_create(args: argparse.Namespace, out: _Output) -> int:
         "runtime": args.runtime,
         "memory_bytes": args.memory,
         "cpus": args.cpus,
+        "ssrf_allow": args.ssrf_allow,
     }
     code, crew = _admin(args, out, "POST", "/v1/crews", request)
     if code:
@@ -914,6 +917,14 @@ def _add_admin_parsers(commands: Any) -> None:
     create.add_argument("--runtime", help="container runtime (default: the configured one)")
     create.add_argument("--memory", type=parse_size, help="memory limit, e.g. 512m, 2g")
     create.add_argument("--cpus", type=float, help="CPU limit, e.g. 0.5, 2")
+    create.add_argument(
+        "--ssrf-allow",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="a destination range only this crew may reach although the SSRF guard refuses it, "
+        "the appliance host's own addresses included (repeatable; docs/proxy.md)",
+    )
     create.set_defaults(func=cmd_crew_create)
     leaf(crews.add_parser("ls", help="list crews")).set_defaults(func=cmd_crew_ls)
     show = leaf(crews.add_parser("show", help="one crew in detail"))

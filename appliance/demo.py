@@ -13,8 +13,9 @@ The tour runs the real thing, as an operator would, and leaves nothing behind:
                        and admin socket, an unrouted /24 of 100.64/10, an nftables table, an
                        interface prefix and a crew-name prefix, so it cannot touch an operator's
                        appliance or its crews. The proxy reaches the fake provider only because
-                       the config says so: `resolve` maps the name to 127.0.0.1 and `ssrf_allow`
-                       opens exactly that address.
+                       the operator says so: `resolve` maps the name to 127.0.0.1, and the
+                       crew names exactly that address (`--ssrf-allow`: the host's own
+                       addresses are refused to every crew that does not).
     create crew        `appliancectl crew create` (restricted, allowing only the provider host)
     ... agent processes in the hardened container, through `appliancectl run` ...
     remove crew        `appliancectl crew rm`
@@ -209,9 +210,8 @@ credential_file = "{self.key_file}"
 
 [proxy.upstream]
 ca_file = "{ca_file}"
-# The fake provider lives on 127.0.0.1: the operator opens exactly that address, and the name
-# resolves there only in the proxy's own table.
-ssrf_allow = ["127.0.0.1/32"]
+# The fake provider lives on 127.0.0.1, which only a crew that names it may reach (the crew
+# is created with --ssrf-allow 127.0.0.1/32); the name resolves there only in the proxy's table.
 resolve = {{ "{PROVIDER_HOST}" = "127.0.0.1" }}
 """
         self.config_path.write_text(f"""\
@@ -500,7 +500,16 @@ def _crew_tour(
     with tour.step("create a restricted crew that may reach only the provider host"):
         started = time.monotonic()
         done = app.ctl(
-            tour, "crew", "create", crew, "--mode", "restricted", "--allow", PROVIDER_HOST
+            tour,
+            "crew",
+            "create",
+            crew,
+            "--mode",
+            "restricted",
+            "--allow",
+            PROVIDER_HOST,
+            "--ssrf-allow",
+            "127.0.0.1/32",
         )
         expect(done.returncode == 0, f"crew create exited {done.returncode}")
         tour.say(f"ready to exec {time.monotonic() - started:.2f} s after the command started")

@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from proxycore.config import parse_config
 from proxycore.errors import PolicyDenied
+from proxycore.io.connection import ClientConnection
 from proxycore.io.fastio import PlainStream
 from proxycore.io.sinks import MemorySink
-from proxycore.server import ClientConnection, ProxyRuntime
+from proxycore.runtime import ProxyRuntime
 
 SECRET = "sk-ant-api03-FUZZ-SECRET-never-echo-0000000000"
 os.environ.setdefault("FUZZ_ANTHROPIC_KEY", SECRET)
@@ -54,6 +55,8 @@ name = "fuzz"
 gateway = "127.0.0.1"
 mode = "restricted"
 allow = ["upstream.fuzz"]
+# The upstream is on this host's loopback: only a range the crew names reaches it.
+ssrf_allow = ["127.0.0.1/32"]
 
 [providers.anthropic]
 base_url = "https://provider.fuzz"
@@ -107,11 +110,11 @@ async def _run_one(data: bytes, how: int, seed: int) -> tuple[bytes, MemorySink]
     runtime = ProxyRuntime(parse_config(_config_text(upstream_port)), sink)
     real_resolve = runtime.dialer.resolve
 
-    async def resolve(host: str, port: int) -> list[str]:
+    async def resolve(host: str, port: int, *args: object) -> list[str]:
         # Only the in-process upstream is reachable; everything else is refused up front.
         if host != "upstream.fuzz" or port != upstream_port:
             raise PolicyDenied("fuzz: not reachable", host=host, rule="fuzz_unreachable")
-        return await real_resolve(host, port)
+        return await real_resolve(host, port, *args)  # type: ignore[arg-type]
 
     runtime.dialer.resolve = resolve  # type: ignore[method-assign]
 

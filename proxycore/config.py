@@ -58,9 +58,23 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tunnel_idle_timeout: PositiveFloat = 300.0
     max_connections: PositiveInt = 4096
     max_connections_per_crew: PositiveInt = 512
-    # Idle kept-alive upstream connections per (host, port); above the usual client concurrency
-    # so a busy crew does not churn connections.
-    upstream_pool_per_host: PositiveInt = 256
+    # Upstream connections one crew may hold open at once: in use, pooled and tunnels (each
+    # is a descriptor of the worker's). Over it: 503 once no idle one can be closed instead.
+    upstream_connections_per_crew: PositiveInt = 512
+    # Idle kept-alive upstream connections kept per crew (its pool, all hosts together), and
+    # how long one may stay idle before it is closed (servers drop idle ones anyway: nginx
+    # keepalive_timeout 75 s, many APIs less).
+    upstream_idle_per_crew: PositiveInt = 64
+    upstream_idle_timeout: PositiveFloat = 30.0
+    # Name lookups one crew may have in flight: a crew whose lookups hang waits for its own
+    # share, never for another crew's.
+    dns_lookups_per_crew: PositiveInt = 8
+    # Bytes the proxy may hold in memory for one crew's request and response bodies (bodies
+    # read whole to be replayed or scrubbed in one call); past it, bodies stream instead.
+    max_buffered_bytes_per_crew: PositiveInt = 32 * 1024 * 1024
+    # The worker's descriptor limit (RLIMIT_NOFILE); 0 raises the soft limit to the hard one.
+    # Near it the worker answers new connections 503 rather than failing (see docs/proxy.md).
+    open_files: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,6 +84,10 @@ class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gateway: str
     mode: str | None = None
     allow: tuple[str, ...] = ()
+    # Destination ranges this crew alone may reach although the SSRF guard refuses them,
+    # including the appliance's own addresses (the host's, loopback, the crews' pool), which
+    # `[upstream] ssrf_allow` never opens. For a service on the host meant for this crew.
+    ssrf_allow: tuple[str, ...] = ()
 
 
 class ProviderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -92,8 +110,15 @@ class UpstreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ca_file_only: bool = False
     # Operator-approved destination ranges that the SSRF guard would otherwise refuse.
     ssrf_allow: tuple[str, ...] = ()
-    # Split-horizon DNS: host name -> address, consulted before the system resolver.
+    # Split-horizon DNS: host name -> address, consulted before the nameservers.
     resolve: dict[str, str] = {}
+    # The proxy's resolvers ("ADDRESS" or "ADDRESS:PORT"); empty: those of /etc/resolv.conf,
+    # read when a worker starts. The hosts file is not read (use `resolve`).
+    nameservers: tuple[str, ...] = ()
+    dns_timeout: PositiveFloat = 5.0
+    # The appliance's own address ranges (applianced puts its crews' pool here): refused as
+    # destinations even when `ssrf_allow` covers them, so no crew reaches another crew.
+    appliance_ranges: tuple[str, ...] = ()
 
 
 class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -196,6 +221,10 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
                 Allowlist([host])
             except Exception:
                 raise fail(f"{key}.allow[{j}]", f"not a valid host name: {host!r}") from None
+        try:
+            AddressGuard(crew.ssrf_allow)
+        except ValueError as exc:
+            raise fail(f"{key}.ssrf_allow", str(exc)) from None
     for index, address in enumerate(config.listen.addresses):
         try:
             ipaddress.ip_address(address)
@@ -219,6 +248,16 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
             raise fail(
                 f"upstream.resolve.{host}", f"needs a host name and an IP address, got {address!r}"
             ) from None
+    for index, server in enumerate(config.upstream.nameservers):
+        try:
+            parse_nameserver(server)
+        except ValueError as exc:
+            raise fail(f"upstream.nameservers[{index}]", str(exc)) from None
+    for index, text in enumerate(config.upstream.appliance_ranges):
+        try:
+            ipaddress.ip_network(text, strict=True)
+        except ValueError as exc:
+            raise fail(f"upstream.appliance_ranges[{index}]", str(exc)) from None
     if config.upstream.ca_file_only and not config.upstream.ca_file:
         raise fail("upstream.ca_file_only", "needs upstream.ca_file")
     for index, shape in enumerate(config.scrub.shapes):
@@ -245,6 +284,23 @@ def _check_base_url(url: str, key: str, fail: Callable[[str, str], ConfigError])
         _ = parsed.port
     except Exception:
         raise fail(key, f"bad host or port in {url!r}") from None
+
+
+def parse_nameserver(text: str) -> tuple[str, int]:
+    """ "ADDRESS", "ADDRESS:PORT" or "[V6]:PORT"; ValueError naming what is wrong."""
+    address, port_text = text, "53"
+    if text.startswith("["):
+        address, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"not ADDRESS[:PORT]: {text!r}")
+            port_text = rest[1:]
+    elif text.count(":") == 1:
+        address, _, port_text = text.partition(":")
+    ipaddress.ip_address(address)  # ValueError names the text
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"bad port in {text!r}")
+    return address, int(port_text)
 
 
 def crew_policy(crew: CrewConfig) -> tuple[NetworkMode, Allowlist]:

@@ -57,6 +57,8 @@ class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields
     mode: str | None = None
     allow: tuple[str, ...] = ()
     listener: bool = False
+    # Ranges this crew alone may reach past the SSRF guard (`CrewConfig.ssrf_allow`).
+    ssrf_allow: tuple[str, ...] = ()
 
 
 class CrewRemove(msgspec.Struct, frozen=True, tag="crew_remove", forbid_unknown_fields=True):

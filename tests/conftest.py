@@ -217,6 +217,8 @@ name = "test"
 gateway = "{gateway}"
 mode = "{mode}"
 allow = [{allow_list}]
+# The test upstreams listen on this host's loopback, which only a range the crew names opens.
+ssrf_allow = [{ssrf}]
 
 [providers.anthropic]
 base_url = "https://api.anthropic.test:{provider_port}"

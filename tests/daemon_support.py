@@ -21,6 +21,11 @@ import pytest
 
 from tests.conftest import PLAIN_NAMES, PROVIDER_NAMES, ROOT, free_port, proxy_env
 
+# The fake providers and plain hosts listen on this host's loopback, which the proxy refuses as
+# a destination unless the crew names it (docs/proxy.md "Destinations"): every crew a test
+# creates to reach them says so.
+REACH_TEST_HOSTS = ("--ssrf-allow", "127.0.0.0/8")
+
 
 def needs_root_and_docker() -> None:
     if os.geteuid() != 0:

@@ -12,7 +12,7 @@ from proxycore.errors import ConfigError
 from proxycore.io.sinks import MemorySink
 from proxycore.protocol.events import PolicyWarning
 from proxycore.protocol.policy import NetworkMode
-from proxycore.server import ProxyRuntime
+from proxycore.runtime import ProxyRuntime
 
 BASE = """
 [[crew]]
@@ -54,16 +54,16 @@ def test_unknown_mode_is_restricted_and_reported() -> None:
     config = parse_config(BASE + "mode = 'fre'\n")
     sink = MemorySink()
     runtime = ProxyRuntime(config, sink)
-    assert runtime.crews["127.0.0.1"].mode is NetworkMode.RESTRICTED
+    assert runtime.crews["127.0.0.1"].policy.mode is NetworkMode.RESTRICTED
     warnings = [e for e in sink.events if isinstance(e, PolicyWarning)]
     assert warnings and "fre" in warnings[0].message
 
 
 def test_missing_mode_is_restricted() -> None:
     runtime = ProxyRuntime(parse_config(BASE), MemorySink())
-    assert runtime.crews["127.0.0.1"].mode is NetworkMode.RESTRICTED
-    assert "api.anthropic.com" in runtime.crews["127.0.0.1"].allowlist
-    assert "anthropic.com" not in runtime.crews["127.0.0.1"].allowlist
+    assert runtime.crews["127.0.0.1"].policy.mode is NetworkMode.RESTRICTED
+    assert "api.anthropic.com" in runtime.crews["127.0.0.1"].policy.allowlist
+    assert "anthropic.com" not in runtime.crews["127.0.0.1"].policy.allowlist
 
 
 def test_credential_never_in_error_or_repr(tmp_path, monkeypatch) -> None:
@@ -77,7 +77,7 @@ def test_credential_never_in_error_or_repr(tmp_path, monkeypatch) -> None:
     runtime = ProxyRuntime(
         parse_config(BASE + "[providers.anthropic]\ncredential_env = 'GOOD_KEY'\n"), MemorySink()
     )
-    route = runtime.routes_by_host["api.anthropic.com"]
+    route = runtime.routes.by_host["api.anthropic.com"]
     assert secret not in repr(route) and secret not in str(route.credential)
 
 

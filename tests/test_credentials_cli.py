@@ -16,6 +16,7 @@ import pytest
 from appliance.demo_upstream import FakeServer
 from tests.conftest import REAL_KEYS
 from tests.daemon_support import (
+    REACH_TEST_HOSTS,
     Appliance,
 )
 
@@ -86,7 +87,7 @@ def test_cred_commands_through_a_real_daemon(
     assert dup.returncode == 4 and "already exists" in dup.stdout
 
     crew = app.crew("cred")
-    code, created = app.ctl_json("crew", "create", crew)
+    code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
 
@@ -171,7 +172,7 @@ def test_a_stored_value_typed_into_a_command_is_not_journaled(appliance: Applian
     added = app.ctl_stdin(value, "cred", "add", "dbpass", "--provider", "warehouse")
     assert added.returncode == 0, added.stderr
     crew = app.crew("jrnl")
-    code, created = app.ctl_json("crew", "create", crew)
+    code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)
     assert code == 0, (created, app.log_text())
     ran = app.ctl("run", crew, "--", "echo", f"connect --password {value}")
     assert ran.returncode == 0, ran.stderr

@@ -20,7 +20,7 @@ import pytest
 
 from appliance.demo_upstream import FakeServer
 from tests.conftest import REAL_KEYS
-from tests.daemon_support import Appliance
+from tests.daemon_support import REACH_TEST_HOSTS, Appliance
 
 pytestmark = pytest.mark.docker
 
@@ -72,7 +72,7 @@ def test_a_revoke_the_proxy_does_not_confirm_is_journaled_and_the_proxy_restarte
         app.ctl_stdin(KEY_ONE, "cred", "add", "claude", "--provider", "anthropic").returncode == 0
     )
     crew = app.crew("push")
-    code, created = app.ctl_json("crew", "create", crew)
+    code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
     assert app.ctl("cred", "grant", "claude", crew).returncode == 0

@@ -14,7 +14,12 @@ import pytest
 
 from appliance.demo_upstream import FakeServer
 from tests.conftest import ROOT, proxy_env
-from tests.daemon_support import busybox_images, needs_root_and_docker, new_appliance
+from tests.daemon_support import (
+    REACH_TEST_HOSTS,
+    busybox_images,
+    needs_root_and_docker,
+    new_appliance,
+)
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -104,7 +109,7 @@ def test_up_detach_answers_then_stops_on_sigterm(
         assert oct(os.stat(app.state_dir).st_mode & 0o777) == "0o700"
         assert oct(os.stat(app.socket).st_mode & 0o777) == "0o600"
         name = app.crew("stop")
-        assert app.ctl("crew", "create", name).returncode == 0
+        assert app.ctl("crew", "create", name, *REACH_TEST_HOSTS).returncode == 0
         status = app.ctl("status")
         assert status.returncode == 0 and "crews: 1 (1 ready)" in status.stdout
         os.kill(pid, signal.SIGTERM)

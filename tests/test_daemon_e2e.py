@@ -21,6 +21,7 @@ from appliance.demo_upstream import FakeServer
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER, AGENT_KEY_VARIABLES
 from tests.conftest import REAL_KEYS
 from tests.daemon_support import (
+    REACH_TEST_HOSTS,
     ROOT,
     Appliance,
 )
@@ -61,7 +62,16 @@ def test_crew_lifecycle_and_traffic_end_to_end(
     app.start()
     name = app.crew("alpha")
     code, created = app.ctl_json(
-        "crew", "create", name, "--mode", "restricted", "--allow", "plain.test", "--memory", "256m"
+        "crew",
+        "create",
+        name,
+        *REACH_TEST_HOSTS,
+        "--mode",
+        "restricted",
+        "--allow",
+        "plain.test",
+        "--memory",
+        "256m",
     )
     assert code == 0, (created, app.log_text())
     crew = created["crew"]
@@ -177,7 +187,7 @@ def test_bad_input_is_refused_and_nothing_is_half_created(appliance: Appliance) 
     assert app.ctl_json("crew", "ls")[1]["crews"] == []
 
     name = app.crew("dup")
-    assert app.ctl("crew", "create", name).returncode == 0
+    assert app.ctl("crew", "create", name, *REACH_TEST_HOSTS).returncode == 0
     dup = app.ctl_json("crew", "create", name)
     assert dup[0] == 4 and dup[1]["kind"] == "exists"
     assert len(app.containers()) == 2 and len(app.links()) == 1
@@ -207,7 +217,7 @@ def test_reconcile_after_sigkill_mid_create_and_with_a_ready_crew(
 
     # 3. A ready crew survives a SIGKILL of the daemon: adopted and served again.
     name = app.crew("keep")
-    assert app.ctl("crew", "create", name).returncode == 0
+    assert app.ctl("crew", "create", name, *REACH_TEST_HOSTS).returncode == 0
     app.stop(signal.SIGKILL)
     app.start()
     provider.clear()
@@ -238,7 +248,7 @@ def test_the_launcher_streams_returns_the_exit_code_and_its_death_kills_the_comm
     app = appliance
     app.start()
     name = app.crew("fast")
-    code, created = app.ctl_json("crew", "create", name, "--mode", "restricted")
+    code, created = app.ctl_json("crew", "create", name, *REACH_TEST_HOSTS, "--mode", "restricted")
     assert code == 0, (created, app.log_text())
     launcher = [str(ROOT / "bin" / "appliancectl"), "--socket", str(app.socket), "run", name]
     env = {

@@ -14,6 +14,7 @@ import pytest
 
 from netns.addressing import chain_name, interface_name
 from tests.daemon_support import (
+    REACH_TEST_HOSTS,
     Appliance,
     busybox_images,
 )
@@ -80,7 +81,7 @@ def test_pool_is_filled_taken_by_create_refilled_and_never_recycled(appliance: A
     assert app.ctl_json("crew", "ls")[1]["crews"] == []
 
     name = app.crew("pooled")
-    code, created = app.ctl_json("crew", "create", name)
+    code, created = app.ctl_json("crew", "create", name, *REACH_TEST_HOSTS)
     assert code == 0, created
     crew = created["crew"]
     taken = [slot for slot, infra_id in slots.items() if infra_id == crew["infra_id"]]
@@ -124,7 +125,7 @@ def test_pool_reconcile_after_sigkill(appliance: Appliance) -> None:
     app.start()
     app.wait_pool()
     name = app.crew("keep")
-    assert app.ctl("crew", "create", name).returncode == 0
+    assert app.ctl("crew", "create", name, *REACH_TEST_HOSTS).returncode == 0
     app.wait_pool()
     slots = _pool_rows(app)
     app.stop(signal.SIGKILL)

@@ -82,7 +82,13 @@ def test_crew_added_and_removed_over_the_channel(
         listener = listening(gateway, port)
         reply = request(
             ours,
-            control.CrewAdd(name="alpha", gateway=gateway, mode="restricted", listener=True),
+            control.CrewAdd(
+                name="alpha",
+                gateway=gateway,
+                mode="restricted",
+                listener=True,
+                ssrf_allow=("127.0.0.0/8",),
+            ),
             listener,
         )
         listener.close()  # the proxy holds its own copy now
@@ -97,7 +103,11 @@ def test_crew_added_and_removed_over_the_channel(
         # A duplicate name or gateway is refused, and its listener is not adopted.
         again = listening("127.0.0.24", port)
         dup = request(
-            ours, control.CrewAdd(name="alpha", gateway="127.0.0.24", listener=True), again
+            ours,
+            control.CrewAdd(
+                name="alpha", gateway="127.0.0.24", listener=True, ssrf_allow=("127.0.0.0/8",)
+            ),
+            again,
         )
         again.close()
         assert not dup["ok"] and "already served" in dup["error"]
@@ -105,7 +115,12 @@ def test_crew_added_and_removed_over_the_channel(
         bad = request(ours, control.CrewAdd(name="bad name", gateway="127.0.0.25"))
         assert not bad["ok"] and "crew[0].name" in bad["error"]
         # A message that promises a listener and brings none is refused.
-        missing = request(ours, control.CrewAdd(name="beta", gateway="127.0.0.26", listener=True))
+        missing = request(
+            ours,
+            control.CrewAdd(
+                name="beta", gateway="127.0.0.26", listener=True, ssrf_allow=("127.0.0.0/8",)
+            ),
+        )
         assert not missing["ok"] and "no listening socket" in missing["error"]
 
         assert request(ours, control.CrewRemove(name="alpha")) == {"ok": True, "changed": True}

@@ -367,7 +367,13 @@ def test_the_proxy_refuses_crew_traffic_while_audit_is_paused(
         listener = listening(gateway, port)
         reply = request(
             ours,
-            control.CrewAdd(name="alpha", gateway=gateway, mode="restricted", listener=True),
+            control.CrewAdd(
+                name="alpha",
+                gateway=gateway,
+                mode="restricted",
+                listener=True,
+                ssrf_allow=("127.0.0.0/8",),
+            ),
             listener,
         )
         listener.close()

@@ -14,6 +14,7 @@ import pytest
 from appliance.demo_upstream import FakeServer
 from tests.conftest import ROOT, proxy_env
 from tests.daemon_support import (
+    REACH_TEST_HOSTS,
     Appliance,
 )
 
@@ -42,7 +43,7 @@ def test_journal_records_crews_runs_and_proxy_decisions(
     app = appliance
     app.start()
     name = app.crew("jr")
-    code, created = app.ctl_json("crew", "create", name, "--allow", "plain.test")
+    code, created = app.ctl_json("crew", "create", name, *REACH_TEST_HOSTS, "--allow", "plain.test")
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
 

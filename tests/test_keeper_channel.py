@@ -77,7 +77,11 @@ class Proxy:
         for name, gateway in (("alpha", ALPHA), ("beta", BETA)):
             sock = listening(gateway, self.port)
             reply = request(
-                self.channel, control.CrewAdd(name=name, gateway=gateway, listener=True), sock
+                self.channel,
+                control.CrewAdd(
+                    name=name, gateway=gateway, listener=True, ssrf_allow=("127.0.0.0/8",)
+                ),
+                sock,
             )
             sock.close()
             assert reply["ok"], reply

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from appliance.journal.store import tail
-from tests.daemon_support import Appliance
+from tests.daemon_support import REACH_TEST_HOSTS, Appliance
 from tests.fake_ollama import MODEL, Content, FakeOllama, running_fake_ollama
 from tests.test_credentials_cli import STORE_KEY
 
@@ -55,7 +55,7 @@ def test_keeper_through_a_real_daemon(appliance: Appliance, ollama: FakeOllama) 
         config.write(f'\n[keeper]\nmodel = "{MODEL}"\nurl = "{ollama.url}"\ntimeout_seconds = 10\n')
     app.start(env={"ENCRYPTION_KEY": STORE_KEY})
     crew = app.crew("keep")
-    code, created = app.ctl_json("crew", "create", crew)
+    code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
     done = app.ctl_stdin(VALUE, "cred", "add", "gh", "--provider", "github", "--level", "L1")

@@ -93,7 +93,13 @@ def test_credentials_set_per_crew_rotation_and_scrubbing(
         assert request(ours, control.Ping()) == {"ok": True}
         for name, gateway in (("alpha", alpha), ("beta", beta)):
             sock = listening(gateway, port)
-            reply = request(ours, control.CrewAdd(name=name, gateway=gateway, listener=True), sock)
+            reply = request(
+                ours,
+                control.CrewAdd(
+                    name=name, gateway=gateway, listener=True, ssrf_allow=("127.0.0.0/8",)
+                ),
+                sock,
+            )
             sock.close()
             assert reply["ok"], reply
 

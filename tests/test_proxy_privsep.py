@@ -25,7 +25,7 @@ from appliance.daemon.config import load_config
 from appliance.daemon.main import KEEPER_SOCKET, keeper_dir
 from appliance.demo_upstream import FakeServer
 from appliance.hardening import CAPABILITY_FIELDS, process_status
-from tests.daemon_support import Appliance
+from tests.daemon_support import REACH_TEST_HOSTS, Appliance
 
 pytestmark = pytest.mark.docker
 
@@ -111,7 +111,7 @@ def test_workers_are_unprivileged_and_out_of_a_crews_reach(
     stored = app.ctl_stdin(STORED_VALUE, "cred", "add", "claude", "--provider", "anthropic")
     assert stored.returncode == 0, stored.stderr
     crew = app.crew("privsep")
-    code, created = app.ctl_json("crew", "create", crew)
+    code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
     assert app.ctl("cred", "grant", "claude", crew).returncode == 0
@@ -166,7 +166,7 @@ def test_workers_share_connections_and_survive_one_death(appliance: Appliance) -
     app = appliance
     app.start()
     crew = app.crew("share")
-    code, created = app.ctl_json("crew", "create", crew)
+    code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
     pids = wait_workers(app, 2)
@@ -243,7 +243,7 @@ def test_a_stopping_workers_last_events_reach_the_journal(appliance: Appliance) 
         config.write("\n[proxy.events]\nflush_interval = 30\n")
     app.start()
     crew = app.crew("last")
-    code, created = app.ctl_json("crew", "create", crew)
+    code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
     hosts = [f"denied-{i}.test" for i in range(20)]

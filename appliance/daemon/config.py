@@ -140,10 +140,18 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The proxy child's configuration: no crews and no listeners of its own (crews and
         their listening sockets arrive over the control channel)."""
         section = self.proxy
+        # The crews' address pool is the appliance's own: no crew dials another crew or a
+        # gateway, whatever `ssrf_allow` says (proxycore/io/upstream.py).
+        upstream = msgspec.structs.replace(
+            section.upstream,
+            appliance_ranges=tuple(
+                dict.fromkeys((*section.upstream.appliance_ranges, self.net.pool))
+            ),
+        )
         return ProxyConfig(
             limits=section.limits,
             providers=section.providers,
-            upstream=section.upstream,
+            upstream=upstream,
             events=section.events,
             scrub=section.scrub,
         )

@@ -80,6 +80,7 @@ from netns.addressing import check_crew_id
 from netns.manager import NetworkReport
 from proxycore.errors import PolicyDenied
 from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host
+from proxycore.protocol.ssrf import AddressGuard
 
 from . import messages
 from .config import ApplianceConfig
@@ -259,6 +260,10 @@ class CrewManager:
                 raise InvalidRequest(f"argument allow: not a valid host name: {host!r}") from None
             if normalized not in allow:
                 allow.append(normalized)
+        try:
+            AddressGuard(request.ssrf_allow)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"argument ssrf_allow: {exc}") from None
         crews = self.config.crews
         runtime = request.runtime or crews.default_runtime
         available = await self.runtimes()
@@ -291,6 +296,7 @@ class CrewManager:
             phase=CrewPhase.CREATING,
             created=now,
             updated=now,
+            ssrf_allow=tuple(dict.fromkeys(request.ssrf_allow)),
         )
 
     # -- create / remove --------------------------------------------------------------------
@@ -374,7 +380,9 @@ class CrewManager:
                 await trio.to_thread.run_sync(self.networks.release, key)
 
             gateway = await steps.run("attach network", attach, release)
-        entry = CrewEntry(name=name, gateway=gateway, mode=row.mode, allow=row.allow)
+        entry = CrewEntry(
+            name=name, gateway=gateway, mode=row.mode, allow=row.allow, ssrf_allow=row.ssrf_allow
+        )
 
         async def add_to_proxy() -> None:
             await self.proxy.add_crew(entry)
@@ -493,6 +501,7 @@ class CrewManager:
             phase=row.phase.value,
             mode=row.mode,
             allow=row.allow,
+            ssrf_allow=row.ssrf_allow,
             runtime=row.runtime,
             memory_bytes=row.memory_bytes,
             cpus=row.cpus,
@@ -623,7 +632,13 @@ class CrewManager:
             plan = self.networks.plan(row.key)
             assert plan is not None
             await self.proxy.add_crew(
-                CrewEntry(name=name, gateway=plan.gateway, mode=row.mode, allow=row.allow)
+                CrewEntry(
+                    name=name,
+                    gateway=plan.gateway,
+                    mode=row.mode,
+                    allow=row.allow,
+                    ssrf_allow=row.ssrf_allow,
+                )
             )
             return []
         why = "was stopped" if row.phase is CrewPhase.STOPPED else "lost a container or its network"

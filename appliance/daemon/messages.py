@@ -17,6 +17,9 @@ class CreateCrew(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     runtime: str | None = None  # None: [crews] default_runtime
     memory_bytes: int | None = None
     cpus: float | None = None
+    # Destination ranges only this crew may reach past the SSRF guard, the appliance's own
+    # addresses included (docs/proxy.md "Destinations").
+    ssrf_allow: tuple[str, ...] = ()
 
 
 class AllowHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -49,6 +52,7 @@ class CrewInfo(msgspec.Struct, frozen=True):
     agent_id: str | None = None
     error: str | None = None
     containers: tuple[ContainerInfo, ...] = ()
+    ssrf_allow: tuple[str, ...] = ()
 
 
 class CrewList(msgspec.Struct, frozen=True):

@@ -64,6 +64,7 @@ class CrewEntry(msgspec.Struct, frozen=True):
     gateway: str
     mode: str
     allow: tuple[str, ...]
+    ssrf_allow: tuple[str, ...] = ()
 
 
 class _Worker:
@@ -387,5 +388,10 @@ class ProxyPool:
 
 def _crew_add(entry: CrewEntry) -> control.CrewAdd:
     return control.CrewAdd(
-        name=entry.name, gateway=entry.gateway, mode=entry.mode, allow=entry.allow, listener=True
+        name=entry.name,
+        gateway=entry.gateway,
+        mode=entry.mode,
+        allow=entry.allow,
+        listener=True,
+        ssrf_allow=entry.ssrf_allow,
     )

@@ -38,7 +38,7 @@ import msgspec
 
 from .errors import DaemonError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_FILE = "applianced.db"
 
 _SCHEMA = """
@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS crews (
     created REAL NOT NULL,
     updated REAL NOT NULL,
     error TEXT,
-    slot TEXT                     -- the pool slot it took: its infra and network are keyed by it
+    slot TEXT,                    -- the pool slot it took: its infra and network are keyed by it
+    ssrf_allow TEXT NOT NULL DEFAULT '[]'  -- JSON array of CIDRs only this crew may reach
 );
 CREATE TABLE IF NOT EXISTS pool (
     slot TEXT PRIMARY KEY,
@@ -70,6 +71,8 @@ CREATE TABLE IF NOT EXISTS pool (
 """
 # Version 1 had no pool: its crews table gains the slot column, the pool table is created above.
 _MIGRATE_1_TO_2 = "ALTER TABLE crews ADD COLUMN slot TEXT"
+# Version 2 had no per-crew destination ranges: none, as before.
+_MIGRATE_2_TO_3 = "ALTER TABLE crews ADD COLUMN ssrf_allow TEXT NOT NULL DEFAULT '[]'"
 
 
 class CrewPhase(enum.StrEnum):
@@ -95,6 +98,7 @@ class CrewRow(msgspec.Struct, frozen=True):
     gateway: str | None = None
     error: str | None = None
     slot: str | None = None
+    ssrf_allow: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -139,8 +143,10 @@ class StateStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            elif int(row["value"]) == 1:
-                self.db.execute(_MIGRATE_1_TO_2)
+            elif int(row["value"]) in (1, 2):
+                if int(row["value"]) == 1:
+                    self.db.execute(_MIGRATE_1_TO_2)
+                self.db.execute(_MIGRATE_2_TO_3)
                 self.db.execute(
                     "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
                 )
@@ -174,6 +180,7 @@ class StateStore:
             gateway=row["gateway"],
             error=row["error"],
             slot=row["slot"],
+            ssrf_allow=tuple(json.loads(row["ssrf_allow"])),
         )
 
     def crews(self) -> list[CrewRow]:
@@ -188,8 +195,8 @@ class StateStore:
         """Record the intent to create a crew. sqlite3.IntegrityError if the name is taken."""
         self.db.execute(
             "INSERT INTO crews(name, mode, allow, runtime, memory_bytes, cpus, phase, infra_id,"
-            " agent_id, gateway, created, updated, error, slot)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " agent_id, gateway, created, updated, error, slot, ssrf_allow)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 crew.name,
                 crew.mode,
@@ -205,6 +212,7 @@ class StateStore:
                 crew.updated,
                 crew.error,
                 crew.slot,
+                json.dumps(list(crew.ssrf_allow)),
             ),
         )
 

@@ -81,6 +81,13 @@ class AllowedRequest(msgspec.Struct, frozen=True, array_like=True):
     port: int
     address: str  # the address dialled
     rule: str
+    # Appended later (older entries decode with these defaults): the answer, the bytes of the
+    # bodies, how long it took, and "complete" or why the response was cut short.
+    status: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    duration: float = 0.0
+    ended: str = "complete"
 
 
 class DeniedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -95,12 +102,49 @@ class DeniedRequest(msgspec.Struct, frozen=True, array_like=True):
     status: int
 
 
+class RefusedRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One request in a `proxy.refuse` entry: the proxy answered with its own error (bad
+    input, a limit, a failed upstream). `route` "connection": refused before any request."""
+
+    ts: float
+    route: str
+    method: str
+    host: str
+    port: int
+    rule: str
+    status: int
+    message: str = ""
+
+
+class ErroredRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One request in a `proxy.error` entry: a failure the proxy did not plan for ended it;
+    `status` is what the agent was told (0: nothing)."""
+
+    ts: float
+    route: str
+    method: str
+    host: str
+    port: int
+    cause: str
+    status: int
+
+    @property
+    def rule(self) -> str:
+        return self.cause
+
+
 def _requests_summary(
-    verb: str, requests: tuple[AllowedRequest, ...] | tuple[DeniedRequest, ...]
+    verb: str,
+    requests: tuple[AllowedRequest, ...]
+    | tuple[DeniedRequest, ...]
+    | tuple[RefusedRequest, ...]
+    | tuple[ErroredRequest, ...],
 ) -> str:
     if len(requests) == 1:
         (one,) = requests
-        tail = f" -> {one.status}" if isinstance(one, DeniedRequest) else ""
+        tail = f" -> {one.status}" if one.status else ""
+        if isinstance(one, AllowedRequest) and one.ended != "complete":
+            tail += f", cut short: {one.ended}"
         return f"{verb} {one.method} {one.host}:{one.port} ({one.route}, rule {one.rule}){tail}"
     counts: dict[str, int] = {}
     for request in requests:
@@ -133,6 +177,26 @@ class ProxyDeny(Entry, frozen=True, tag="proxy.deny"):
 
     def summary(self) -> str:
         return _requests_summary("deny", self.requests)
+
+
+class ProxyRefuse(Entry, frozen=True, tag="proxy.refuse"):
+    """Requests a proxy worker answered with its own error for one crew, from one batch of its
+    events (as `proxy.allow`)."""
+
+    mode: str
+    requests: tuple[RefusedRequest, ...]
+
+    def summary(self) -> str:
+        return _requests_summary("refuse", self.requests)
+
+
+class ProxyError(Entry, frozen=True, tag="proxy.error"):
+    """Requests a failure ended for one crew, from one batch of a worker's events."""
+
+    requests: tuple[ErroredRequest, ...]
+
+    def summary(self) -> str:
+        return _requests_summary("error", self.requests)
 
 
 class CredentialInjected(Entry, frozen=True, tag="credential.injected"):
@@ -287,6 +351,8 @@ AnyEntry = (
     | RunTimeout
     | ProxyAllow
     | ProxyDeny
+    | ProxyRefuse
+    | ProxyError
     | CredentialInjected
     | TunnelOpened
     | TunnelClosed

@@ -58,6 +58,10 @@ def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
         return E.ProxyAllow(mode=event.mode, requests=(_allowed(event),), **common)
     if isinstance(event, pe.RequestDenied):
         return E.ProxyDeny(mode=event.mode, requests=(_denied(event),), **common)
+    if isinstance(event, pe.RequestRefused):
+        return E.ProxyRefuse(mode=event.mode, requests=(_refused(event),), **common)
+    if isinstance(event, pe.RequestErrored):
+        return E.ProxyError(requests=(_errored(event),), **common)
     if isinstance(event, pe.CredentialInjected):
         return E.CredentialInjected(provider=event.provider, host=event.host, **common)
     if isinstance(event, pe.TunnelOpened):
@@ -80,12 +84,27 @@ def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
             action=event.action, credential=event.credential, decision="deny",
             reason=f"refused by the proxy: {event.rule}", **common,
         )  # fmt: skip
+    assert isinstance(event, pe.EventsDropped)
     return E.ProxyNotice(message="the proxy dropped events", dropped=event.count, **common)
 
 
 def _allowed(event: pe.RequestAllowed) -> E.AllowedRequest:
     return E.AllowedRequest(
-        event.ts, event.route, event.method, event.host, event.port, event.address, event.rule
+        event.ts, event.route, event.method, event.host, event.port, event.address, event.rule,
+        event.status, event.bytes_up, event.bytes_down, event.duration, event.ended,
+    )  # fmt: skip
+
+
+def _refused(event: pe.RequestRefused) -> E.RefusedRequest:
+    return E.RefusedRequest(
+        event.ts, event.route, event.method, event.host, event.port, event.rule, event.status,
+        event.message,
+    )  # fmt: skip
+
+
+def _errored(event: pe.RequestErrored) -> E.ErroredRequest:
+    return E.ErroredRequest(
+        event.ts, event.route, event.method, event.host, event.port, event.cause, event.status
     )
 
 
@@ -95,17 +114,22 @@ def _denied(event: pe.RequestDenied) -> E.DeniedRequest:
     )
 
 
+_GROUPED = (pe.RequestAllowed, pe.RequestDenied, pe.RequestRefused, pe.RequestErrored)
+
+
 def entries_for_batch(events: list[pe.AnyEvent | None]) -> list[E.Entry]:
-    """The journal entries for one batch of a worker's events, in order. Allowed and denied
-    requests are grouped per (crew, mode) into one `proxy.allow` / `proxy.deny` entry each,
-    which takes the place of the group's first request (so a proxy under load writes a few
-    entries per batch, not one per request); every other event is an entry of its own. None
-    stands for a line that did not decode: a `proxy.notice` saying so."""
+    """The journal entries for one batch of a worker's events, in order. A request's terminal
+    events (allowed, denied, refused, errored) are grouped per kind and (crew, mode) into one
+    `proxy.allow` / `proxy.deny` / `proxy.refuse` / `proxy.error` entry each, which takes the
+    place of the group's first request (so a proxy under load writes a few entries per batch,
+    not one per request); every other event is an entry of its own. None stands for a line that
+    did not decode: a `proxy.notice` saying so."""
     out: list[E.Entry | None] = []
-    groups: dict[tuple[str, str, str], tuple[int, list[Any]]] = {}
+    groups: dict[tuple[type, str, str], tuple[int, list[Any]]] = {}
     for event in events:
-        if isinstance(event, pe.RequestAllowed | pe.RequestDenied):
-            key = (type(event).__name__, event.crew, event.mode)
+        if isinstance(event, _GROUPED):
+            mode = "" if isinstance(event, pe.RequestErrored) else event.mode
+            key = (type(event), event.crew, mode)
             group = groups.get(key)
             if group is None:
                 groups[key] = (len(out), [event])
@@ -118,14 +142,20 @@ def entries_for_batch(events: list[pe.AnyEvent | None]) -> list[E.Entry]:
             out.append(from_proxy_event(event))
     for (kind, crew, mode), (index, members) in groups.items():
         scope: dict[str, Any] = {"ts": members[0].ts, "crew": None if crew == "-" else crew}
-        if kind == "RequestAllowed":
+        if kind is pe.RequestAllowed:
             out[index] = E.ProxyAllow(
                 mode=mode, requests=tuple(_allowed(m) for m in members), **scope
             )
-        else:
+        elif kind is pe.RequestDenied:
             out[index] = E.ProxyDeny(
                 mode=mode, requests=tuple(_denied(m) for m in members), **scope
             )
+        elif kind is pe.RequestRefused:
+            out[index] = E.ProxyRefuse(
+                mode=mode, requests=tuple(_refused(m) for m in members), **scope
+            )
+        else:
+            out[index] = E.ProxyError(requests=tuple(_errored(m) for m in members), **scope)
     return [entry for entry in out if entry is not None]
 
 

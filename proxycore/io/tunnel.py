@@ -11,6 +11,7 @@ same state machine runs with `recv_into`/`send` on a large buffer.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 
 import trio
 
-from proxycore.io.fastio import PlainStream
-
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ / F_GETPIPE_SZ, missing from older Python builds
 _F_GETPIPE_SZ = 1032
 PIPE_SIZE = 1 << 20
 CHUNK = 1 << 20
+# The copy fallback's buffer (one per direction, only while a tunnel copies).
+COPY_CHUNK = 256 * 1024
 HAVE_SPLICE = hasattr(os, "splice")
 
 
@@ -31,7 +32,23 @@ HAVE_SPLICE = hasattr(os, "splice")
 class TunnelStats:
     bytes_up: int = 0  # agent -> upstream
     bytes_down: int = 0  # upstream -> agent
+    # "closed" (both sides ended), "idle_timeout", "agent_reset", "upstream_reset",
+    # "agent_error: ...", "upstream_error: ..."; set by the first failure.
     reason: str = "closed"
+
+
+class _SideFailed(Exception):
+    """A socket operation on one side of the tunnel failed (never escapes this module)."""
+
+    def __init__(self, side: str, exc: OSError) -> None:
+        super().__init__(side)
+        self.side = side
+        self.exc = exc
+
+    def reason(self) -> str:
+        if self.exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED):
+            return f"{self.side}_reset"
+        return f"{self.side}_error: {self.exc.strerror or self.exc}"
 
 
 class _Activity:
@@ -52,20 +69,25 @@ async def relay(
     client_prefix: bytes,
     idle_timeout: float,
 ) -> TunnelStats:
-    """Relay until both directions have ended, the idle timeout fires, or a socket breaks."""
+    """Relay until both directions have ended, the idle timeout fires, or a socket breaks.
+
+    Never raises for what a peer does (a reset, a broken pipe, a half-open peer): the first
+    failure ends both directions and is the tunnel's `reason`. Only cancellation from outside
+    propagates.
+    """
     stats = TunnelStats()
     with trio.CancelScope(deadline=trio.current_time() + idle_timeout) as scope:
         activity = _Activity(scope, idle_timeout)
-        if client_prefix:
-            # Bytes the agent pipelined behind its CONNECT head (e.g. a TLS ClientHello).
-            await _send_all(upstream, client_prefix)
-            stats.bytes_up += len(client_prefix)
         try:
+            if client_prefix:
+                # Bytes the agent pipelined behind its CONNECT head (e.g. a TLS ClientHello).
+                await _send_all(upstream, client_prefix, "upstream")
+                stats.bytes_up += len(client_prefix)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_pump, client, upstream, stats, True, activity)
-                nursery.start_soon(_pump, upstream, client, stats, False, activity)
-        except OSError as exc:
-            stats.reason = f"error: {exc.strerror or exc}"
+                nursery.start_soon(_pump, client, upstream, stats, True, activity, nursery)
+                nursery.start_soon(_pump, upstream, client, stats, False, activity, nursery)
+        except _SideFailed as failed:
+            stats.reason = failed.reason()
     if scope.cancelled_caught:
         stats.reason = "idle_timeout"
     return stats
@@ -77,10 +99,20 @@ async def _pump(
     stats: TunnelStats,
     upward: bool,
     activity: _Activity,
+    nursery: trio.Nursery,
 ) -> None:
-    moved = _pump_splice if HAVE_SPLICE else _pump_copy
-    await moved(src, dst, stats, upward, activity)
-    # EOF from src: pass the half-close on.
+    try:
+        if HAVE_SPLICE:
+            await _pump_splice(src, dst, stats, upward, activity)
+        else:
+            await _pump_copy(src, dst, stats, upward, activity)
+    except _SideFailed as failed:
+        # The first failure names the tunnel's end; the other direction cannot go on.
+        if stats.reason == "closed":
+            stats.reason = failed.reason()
+        nursery.cancel_scope.cancel()
+        return
+    # EOF from src: pass the half-close on (RFC 9293 3.6).
     try:
         dst.shutdown(socket.SHUT_WR)
     except OSError:
@@ -94,6 +126,11 @@ def _count(stats: TunnelStats, upward: bool, n: int) -> None:
         stats.bytes_down += n
 
 
+def _sides(upward: bool) -> tuple[str, str]:
+    """(the side read from, the side written to)."""
+    return ("agent", "upstream") if upward else ("upstream", "agent")
+
+
 async def _pump_splice(
     src: socket.socket,
     dst: socket.socket,
@@ -102,10 +139,16 @@ async def _pump_splice(
     activity: _Activity,
 ) -> None:
     src_fd, dst_fd = src.fileno(), dst.fileno()
+    reader, writer = _sides(upward)
     # The pipe starts at the kernel's default size (64 KiB) and grows to PIPE_SIZE only once a
     # splice fills it: a bulk transfer wants large moves, while an idle or chatty tunnel should
     # not pin a 1 MiB buffer ring in the kernel (bench/bench_capacity.py measures this).
-    read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        # Out of descriptors (two per direction): copying needs none.
+        await _pump_copy(src, dst, stats, upward, activity)
+        return
     pipe_size = fcntl.fcntl(write_end, _F_GETPIPE_SZ)
     try:
         flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
@@ -115,6 +158,8 @@ async def _pump_splice(
                 n = os.splice(src_fd, write_end, CHUNK, flags=flags)
             except BlockingIOError:
                 continue
+            except OSError as exc:
+                raise _SideFailed(reader, exc) from None
             if n == 0:
                 return
             activity.touch()
@@ -129,6 +174,8 @@ async def _pump_splice(
                     pending -= os.splice(read_end, dst_fd, pending, flags=flags)
                 except BlockingIOError:
                     await trio.lowlevel.wait_writable(dst_fd)
+                except OSError as exc:
+                    raise _SideFailed(writer, exc) from None
             _count(stats, upward, n)
             activity.touch()
     finally:
@@ -143,16 +190,33 @@ async def _pump_copy(
     upward: bool,
     activity: _Activity,
 ) -> None:
-    source, sink = PlainStream(src), PlainStream(dst)
+    reader, writer = _sides(upward)
+    buffer = bytearray(COPY_CHUNK)
+    view = memoryview(buffer)
     while True:
-        data = await source.receive(CHUNK)
-        if not data:
+        await trio.lowlevel.wait_readable(src)
+        try:
+            n = src.recv_into(buffer)
+        except BlockingIOError:
+            continue
+        except OSError as exc:
+            raise _SideFailed(reader, exc) from None
+        if n == 0:
             return
         activity.touch()
-        await sink.send_all(data)
-        _count(stats, upward, len(data))
+        await _send_all(dst, view[:n], writer)
+        _count(stats, upward, n)
         activity.touch()
 
 
-async def _send_all(sock: socket.socket, data: bytes) -> None:
-    await PlainStream(sock).send_all(data)
+async def _send_all(sock: socket.socket, data: bytes | memoryview, side: str) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        except OSError as exc:
+            raise _SideFailed(side, exc) from None
+        view = view[sent:]

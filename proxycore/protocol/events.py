@@ -20,22 +20,61 @@ class Event(msgspec.Struct, frozen=True, tag_field="event", kw_only=True):
 
 
 class RequestAllowed(Event, frozen=True, tag="request_allowed"):
+    """The policy allowed the request and an answer was relayed: the request's terminal event,
+    emitted when the exchange ends (for a tunnel: once it is established)."""
+
     mode: str
-    route: str  # "forward" | "reverse" | "tunnel"
+    route: str  # "forward" | "reverse" | "tunnel" | "local" | "keeper"
     method: str
     host: str
     port: int
     address: str
     rule: str
+    status: int = 0  # the upstream's status (200 for an established tunnel)
+    bytes_up: int = 0  # request body bytes sent upstream
+    bytes_down: int = 0  # response body bytes relayed to the agent (after scrubbing)
+    duration: float = 0.0
+    complete: bool = True  # False: the response was cut short (see `ended`)
+    # "complete", or why it was cut: "agent_closed", "upstream_closed", "upstream_timeout",
+    # "upstream_protocol_error: ...", "crew_removed", "shutdown", ...
+    ended: str = "complete"
 
 
 class RequestDenied(Event, frozen=True, tag="request_denied"):
+    """The name policy or the SSRF guard refused the destination (403): terminal."""
+
     mode: str
     route: str
     method: str
     host: str
     port: int
     rule: str
+    status: int
+
+
+class RequestRefused(Event, frozen=True, tag="request_refused"):
+    """The proxy answered with its own error: bad input (400, 408, 413, 414, 431, 501), a
+    failed upstream (502, 504), or no capacity (503): terminal. `rule` names the cause."""
+
+    mode: str
+    route: str  # "" when the request was not read far enough to know; "connection" at accept
+    method: str
+    host: str
+    port: int
+    rule: str
+    status: int
+    message: str = ""
+
+
+class RequestErrored(Event, frozen=True, tag="request_errored"):
+    """A failure the proxy did not plan for (a bug, an I/O error it could not answer) ended the
+    request: terminal. `status` is what the agent was told (0: nothing could be sent)."""
+
+    route: str
+    method: str
+    host: str
+    port: int
+    cause: str
     status: int
 
 
@@ -86,6 +125,8 @@ class KeeperCallRefused(Event, frozen=True, tag="keeper_call_refused"):
 AnyEvent = (
     RequestAllowed
     | RequestDenied
+    | RequestRefused
+    | RequestErrored
     | CredentialInjected
     | TunnelOpened
     | TunnelClosed

@@ -65,13 +65,23 @@ class ScrubberHolder:
 def scrub_field_lines(scrubber: Scrubber, fields: bytes) -> bytes:
     """Field lines (each led by CRLF) with secrets redacted, still one field per line.
 
-    One pass over the block is the common case; a redaction that would swallow a line break
-    (a PEM block in a field value, say) is redone line by line.
+    One pass over the block is the common case. When it redacts anything, the block is redone
+    line by line: a redaction must not swallow a line break (a PEM block in a field value), and
+    a field whose *name* holds a secret is dropped rather than relayed with a mangled name.
     """
     scrubbed = scrubber.scrub(fields)
-    if scrubbed == fields or scrubbed.count(b"\r\n") == fields.count(b"\r\n"):
-        return scrubbed
-    return b"\r\n".join(scrubber.scrub(line) for line in fields.split(b"\r\n"))
+    if scrubbed == fields:
+        return fields
+    out: list[bytes] = []
+    for line in fields.split(b"\r\n"):
+        if not line:
+            out.append(line)  # the empty piece before the leading CRLF
+            continue
+        name, colon, value = line.partition(b":")
+        if scrubber.scrub(name) != name:
+            continue
+        out.append(name + colon + scrubber.scrub(value))
+    return b"\r\n".join(out)
 
 
 _REDACTED_EVENT = b'{"event":"redacted","crew":"-","reason":"a secret inside this event"}'

@@ -1,0 +1,610 @@
+"""The trio adapter for one agent connection: owns its socket, its deadlines and its failures.
+
+Theory of operation
+-------------------
+One task per agent connection. It reads a request head (proxycore/protocol/http1), asks the
+exchange what to do (`proxycore.protocol.exchange.plan_request`: the connection never decides),
+and carries the plan out: a refusal, the local API, a keeper call, a forward exchange
+(proxycore/io/forward.py) or a tunnel (proxycore/io/tunnel.py). Then the next request, until the
+agent or a plan closes the connection.
+
+Deadlines: one cancel scope covers the whole connection; before each wait the connection sets a
+plain float deadline for the phase about to start (idle, head, body, upstream, relay), which the
+runtime's reaper enforces. What an expired deadline means is decided by the phase: a 408 while a
+request is read, a 504 while the upstream is awaited, a close once a response is on its way.
+
+Fault containment: nothing raised while serving this connection leaves its task. A refusal is
+answered; an I/O error from either peer ends the exchange; anything else (a bug) is logged, with
+the scrubber over the traceback, and answered 500 if no response byte has been sent yet. Only
+cancellation from outside (the worker stopping) propagates. The task that accepted the connection
+can therefore never be torn down by one, and neither can the worker.
+
+The journal: every request that reached the proxy ends in exactly one terminal event (allowed,
+denied, refused, errored; proxycore/protocol/events.py). `self.progress` holds the request until
+its event is emitted; whatever ends the connection emits the event of a request still in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import socket
+import time
+import traceback
+from typing import TYPE_CHECKING
+
+import msgspec
+import trio
+
+from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
+from proxycore.io import tunnel
+from proxycore.io.fastio import ByteStream, PlainStream
+from proxycore.io.forward import serve_forward
+from proxycore.io.keeper_client import KeeperUnavailable, forward_to_keeper
+from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused, upstream_refusal
+from proxycore.io.upstream import UpstreamConnection
+from proxycore.protocol import http1
+from proxycore.protocol.events import Event, TunnelClosed, TunnelOpened
+from proxycore.protocol.exchange import (
+    DRAIN_LIMIT,
+    KEEPER_BODY_BYTES,
+    Forward,
+    OpenTunnel,
+    Refuse,
+    Request,
+    ServeKeeper,
+    ServeLocal,
+    check_keeper_call,
+    close_after_refusal,
+    keeper_refused_event,
+    plan_request,
+    refuse_unparsed,
+)
+from proxycore.protocol.refusals import Refusal, json_response, refusal
+
+if TYPE_CHECKING:
+    from proxycore.runtime import CrewState, ProxyRuntime
+
+log = logging.getLogger("proxycore")
+
+LINGER_SECONDS = 1.0
+LINGER_BYTES = 256 * 1024
+
+
+class ClientConnection:
+    """One agent connection. Owns its socket and, for the length of an exchange, an upstream."""
+
+    def __init__(self, runtime: ProxyRuntime, stream: PlainStream, crew: CrewState) -> None:
+        self.runtime = runtime
+        self.stream = stream
+        self.crew = crew
+        self.buffer = bytearray()
+        self.response_started = False
+        self.limits = runtime.limits
+        self.phase = Phase.IDLE
+        self.scope = trio.CancelScope()
+        # Enforced by the runtime's reaper (see `ProxyRuntime.reap_expired`).
+        self.deadline = math.inf
+        self.upstream: UpstreamConnection | None = None
+        self.requests = 0  # request heads read on this connection
+        self.progress: Progress | None = None
+        self.head: http1.RequestHead | None = None
+        # Why the connection was ended from outside ("crew_removed"), if it was.
+        self.ended_by: str | None = None
+
+    def end(self, reason: str) -> None:
+        """End this connection from outside (its crew was removed)."""
+        self.ended_by = reason
+        self.scope.cancel()
+
+    # -- the connection's life ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until the connection ends. Raises nothing but cancellation from outside."""
+        runtime, crew = self.runtime, self.crew
+        runtime.live.add(self)
+        crew.live.add(self)
+        final: bytes | None = None
+        contained = False
+        try:
+            try:
+                with self.scope:
+                    final = await self._serve_requests()
+            except BaseException as exc:
+                failure = _without_cancellation(exc)
+                if failure is None:
+                    self._finish_unanswered("shutdown")
+                    raise
+                final = self._contain(failure)
+                contained = True
+                if failure is not exc:
+                    raise  # a cancellation from outside travelled with it: let it through
+        finally:
+            runtime.live.discard(self)
+            crew.live.discard(self)
+            if self.upstream is not None:
+                # Interrupted mid-exchange (timeout, broken agent socket): never pooled.
+                self.upstream.close()
+                self.upstream = None
+        if self.scope.cancelled_caught and not contained:
+            final = self._on_cancelled()
+        if final is not None:
+            with trio.move_on_after(LINGER_SECONDS):
+                try:
+                    await self.stream.send_all(final)
+                except trio.BrokenResourceError:
+                    pass
+            await lingering_close(self.stream)
+        else:
+            self.stream.close()
+
+    def _contain(self, exc: BaseException) -> bytes | None:
+        """A failure nobody planned for: log it (scrubbed), record it, answer 500 if we can."""
+        if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
+            # A peer went away under us: not a bug, nothing to answer.
+            self._finish_unanswered("connection broken: " + _cause(exc))
+            return None
+        scrubber = self.runtime.scrubbers.current
+        trace = "".join(traceback.format_exception(exc))
+        log.error(
+            "proxy: unexpected error serving crew %s (connection ended, worker unaffected): %s",
+            self.crew.name,
+            scrubber.scrub_text(trace),
+        )
+        status = 0 if self.response_started else 500
+        self._emit_terminal_errored(scrubber.scrub_text(_cause(exc)), status)
+        if status == 0:
+            return None
+        return refusal(
+            500,
+            Refusal(
+                error="internal_error",
+                message="the proxy failed while serving this request; it was recorded",
+                crew=self.crew.name,
+            ),
+            close=True,
+        )
+
+    def _on_cancelled(self) -> bytes | None:
+        """The connection's own scope was cancelled: a deadline, or `end()`."""
+        if self.ended_by is not None:
+            self._finish_unanswered(self.ended_by)
+            return None
+        progress = self.progress
+        if self.response_started or (progress is None and not self.buffer):
+            self._finish_unanswered(f"{self.phase.value} timeout")
+            return None
+        crew = self.crew
+        request = progress.request if progress is not None else Request(crew.name, crew.mode)
+        if self.phase in (Phase.IDLE, Phase.HEAD, Phase.BODY):
+            plan = request.refused(
+                408,
+                "request_timeout",
+                f"request {'head' if self.phase is not Phase.BODY else 'body'} "
+                "not received in time",
+                close=True,
+            )
+        else:
+            plan = request.refused(
+                504,
+                "upstream_timeout",
+                "the upstream did not answer in time",
+                rule="upstream_timeout",
+                close=True,
+            )
+        if progress is None:
+            self.progress = Progress(request, time.monotonic())
+        return self._refusal_bytes(plan)
+
+    async def _serve_requests(self) -> bytes | None:
+        """Serve requests until the connection ends; returns a final answer to send, if any."""
+        while True:
+            self.response_started = False
+            self.progress = None
+            try:
+                head = await self.read_head()
+            except HttpProtocolError as exc:
+                crew = self.crew
+                plan = refuse_unparsed(crew.name, crew.mode, exc.status_hint, str(exc))
+                self.progress = Progress(Request(crew.name, crew.mode), time.monotonic())
+                return self._refusal_bytes(plan)
+            if head is None:
+                return None
+            self.head = head
+            try:
+                keep_alive = await self._serve(head)
+            except Refused as refused:
+                final = await self._answer_refusal(refused.plan, head)
+                if final is not None:
+                    return final
+                continue
+            if not keep_alive:
+                return None
+
+    async def _serve(self, head: http1.RequestHead) -> bool:
+        """Carry out the exchange's plan for one request; returns whether to keep the
+        connection. Raises Refused for an answer the caller writes."""
+        runtime, crew = self.runtime, self.crew
+        plan = plan_request(
+            head,
+            crew.policy,
+            runtime.routes,
+            audit_blocked=runtime.audit_blocked,
+            max_body=self.limits.max_body_bytes,
+        )
+        if isinstance(plan, Refuse):
+            self.progress = Progress(_request_of(plan, crew), time.monotonic())
+            raise Refused(plan)
+        self.progress = Progress(plan.request, time.monotonic())
+        if head.body_kind is http1.BodyKind.NONE:
+            self.progress.body_consumed = True
+        if isinstance(plan, Forward):
+            return await serve_forward(self, plan, head)
+        if isinstance(plan, ServeLocal):
+            await self.discard_body(head, 0)
+            self.response_started = True
+            await self.stream.send_all(plan.response)
+            self.emit_allowed(status=200)
+            return plan.keep_alive
+        if isinstance(plan, ServeKeeper):
+            return await self._serve_keeper(plan, head)
+        assert isinstance(plan, OpenTunnel)
+        await self._serve_tunnel(plan)
+        return False
+
+    # -- terminal events ----------------------------------------------------------------------
+
+    def emit(self, event: Event) -> None:
+        self.runtime.sink.emit(event)
+
+    def emit_allowed(self, *, status: int, ended: str = "complete") -> None:
+        progress = self.progress
+        if progress is None:
+            return
+        self.progress = None
+        self.emit(
+            progress.request.allowed(
+                address=progress.address,
+                rule=progress.rule,
+                status=status,
+                bytes_up=progress.bytes_up,
+                bytes_down=progress.bytes_down,
+                duration=time.monotonic() - progress.started,
+                ended=ended,
+            )
+        )
+
+    def _emit_terminal_errored(self, cause: str, status: int) -> None:
+        progress = self.progress
+        if progress is None:
+            return
+        self.progress = None
+        self.emit(progress.request.errored(cause, status))
+
+    def _finish_unanswered(self, why: str) -> None:
+        """The connection ends with a request still in it and nothing more to tell its agent:
+        a response on its way was cut (allowed, not complete), or nothing was sent (errored)."""
+        progress = self.progress
+        if progress is None:
+            return
+        if self.response_started and progress.status:
+            self.emit_allowed(status=progress.status, ended=why)
+        else:
+            self._emit_terminal_errored(why, 0)
+
+    def _refusal_bytes(self, plan: Refuse) -> bytes:
+        """Emit the refusal's event (the request's terminal one) and render it, scrubbed."""
+        if self.progress is not None:
+            self.progress = None
+            self.emit(plan.event)
+        return refusal(plan.status, self._scrubbed(plan.body), close=plan.close)
+
+    def _scrubbed(self, body: Refusal) -> Refusal:
+        """A refusal's message can quote an upstream or the agent's input: scrub it too."""
+        message = self.runtime.scrubbers.current.scrub_text(body.message)
+        return body if message == body.message else msgspec.structs.replace(body, message=message)
+
+    async def _answer_refusal(self, plan: Refuse, head: http1.RequestHead) -> bytes | None:
+        """Answer a refusal: returns the bytes to send before closing, or sends them itself
+        and returns None when the connection carries on (its body drained first)."""
+        if self.response_started:
+            # Too late for an answer: the connection can only end.
+            self._finish_unanswered(f"refused after the response began: {plan.event.rule}")
+            return b""
+        progress = self.progress
+        if (
+            not plan.close
+            and progress is not None
+            and not progress.body_consumed
+            and (close_after_refusal(head) or not await self._drain(head))
+        ):
+            plan = dataclasses.replace(plan, close=True)
+        data = self._refusal_bytes(plan)
+        if plan.close:
+            return data
+        await self.stream.send_all(data)
+        return None
+
+    async def _drain(self, head: http1.RequestHead) -> bool:
+        """Read and discard a refused request's body (at most DRAIN_LIMIT bytes, within the head
+        timeout), so the next request starts where it should; False: close instead."""
+        reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
+        deadline = time.monotonic() + self.limits.head_timeout
+        drained = 0
+        try:
+            while not reader.done:
+                data = await self._receive_body(deadline)
+                if not data:
+                    reader.feed_eof()
+                drained += len(reader.feed(data))
+                if drained > DRAIN_LIMIT:
+                    return False
+        except HttpProtocolError:
+            return False
+        self.buffer[:0] = reader.take_leftover()
+        return True
+
+    # -- reading ------------------------------------------------------------------------------
+
+    async def _receive(
+        self, stream: ByteStream, phase: Phase, deadline: float, *, answer_pending: bool = False
+    ) -> bytes:
+        """Receive for `phase`; the deadline is armed only if the kernel has nothing yet.
+
+        `answer_pending`: we just sent something the peer must answer first (a request to the
+        upstream, a response to the agent), so do not try the kernel before waiting.
+        """
+        if not answer_pending:
+            data = stream.try_receive(RECV_SIZE)
+            if data is not None:
+                return data
+        self.phase = phase
+        self.deadline = deadline
+        return await stream.receive_after_wait(RECV_SIZE)
+
+    async def read_head(self) -> http1.RequestHead | None:
+        """The next request head, or None when the agent closed the connection."""
+        limits = self.limits
+        buffer = self.buffer
+        now = time.monotonic()
+        # Idle between requests: the keep-alive timeout. From the first byte of a head, the whole
+        # head must arrive within head_timeout (slowloris), however it is dribbled.
+        head_deadline = now + limits.head_timeout if buffer else math.inf
+        while True:
+            if buffer:
+                parsed = http1.parse_request_head(buffer, self.runtime.http_limits)
+                if parsed is not None:
+                    head, consumed = parsed
+                    self.requests += 1
+                    del buffer[:consumed]
+                    return head
+            if buffer:
+                data = await self._receive(self.stream, Phase.HEAD, head_deadline)
+            else:
+                # After a response the agent has nothing more to say until it reads it.
+                data = await self._receive(
+                    self.stream,
+                    Phase.IDLE,
+                    now + limits.idle_keepalive_timeout,
+                    answer_pending=self.requests > 0,
+                )
+            if not data:
+                if buffer:
+                    raise HttpProtocolError("connection closed inside a request head")
+                return None
+            if not buffer:
+                head_deadline = time.monotonic() + limits.head_timeout
+            buffer += data
+
+    async def _receive_body(self, deadline: float | None = None) -> bytes:
+        if self.buffer:
+            data = bytes(self.buffer)
+            self.buffer.clear()
+            return data
+        if deadline is None:
+            deadline = time.monotonic() + self.limits.read_timeout
+        return await self._receive(self.stream, Phase.BODY, deadline)
+
+    async def read_body(self, reader: http1.BodyReader, cap: int) -> bytes:
+        """Read a body whole; Refused (413) past `cap` bytes, (400) on bad framing."""
+        body = bytearray()
+        try:
+            while not reader.done:
+                data = await self._receive_body()
+                if not data:
+                    reader.feed_eof()
+                body += reader.feed(data)
+                if len(body) > cap:
+                    raise Refused(self.too_large(cap))
+        except HttpProtocolError as exc:
+            raise Refused(self.bad_body(exc)) from None
+        self.buffer[:0] = reader.take_leftover()
+        if self.progress is not None:
+            self.progress.body_consumed = True
+        return bytes(body)
+
+    async def discard_body(self, head: http1.RequestHead, cap: int) -> None:
+        if head.body_kind is not http1.BodyKind.NONE:
+            await self.read_body(http1.BodyReader.for_request(head, self.runtime.http_limits), cap)
+
+    def too_large(self, cap: int) -> Refuse:
+        return self.current_request().refused(
+            413, "body_too_large", f"request body over {cap} bytes", close=True
+        )
+
+    def bad_body(self, exc: HttpProtocolError) -> Refuse:
+        return self.current_request().refused(
+            exc.status_hint, "bad_request", f"request body: {exc}", close=True
+        )
+
+    def current_request(self) -> Request:
+        if self.progress is not None:
+            return self.progress.request
+        return Request(self.crew.name, self.crew.mode)
+
+    # -- the keeper ---------------------------------------------------------------------------
+
+    async def _serve_keeper(self, plan: ServeKeeper, head: http1.RequestHead) -> bool:
+        """`POST /keeper/request|execute`: checked here, decided by applianced (docs/keeper.md).
+
+        The crew is this connection's (its gateway), whatever the body says. The answer is not
+        scrubbed here: a granted `request` must deliver the value, and applianced has already
+        scrubbed an `execute`'s output.
+        """
+        close = not plan.keep_alive
+        body = b""
+        if head.body_kind is not http1.BodyKind.NONE:
+            reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
+            body = await self.read_body(reader, KEEPER_BODY_BYTES)
+        refused = check_keeper_call(plan.request, plan.action, body, close=close)
+        if refused is not None:
+            self.emit(keeper_refused_event(plan.request, plan.action, body, refused.event.rule))
+            raise Refused(refused)
+        channel = self.runtime.keeper_channel
+        if channel is None:
+            raise Refused(
+                plan.request.refused(
+                    503, "keeper_unavailable", "the keeper is not connected yet", close=close
+                )
+            )
+        # The read deadline of the body must not cut the decision short (a model round-trip and
+        # an execute's 120 s): forward_to_keeper bounds the wait itself, and answers 503.
+        self.phase = Phase.UPSTREAM
+        self.deadline = math.inf
+        try:
+            status, answer = await forward_to_keeper(
+                channel.path, channel.token, plan.action.value, self.crew.name, body
+            )
+        except KeeperUnavailable as exc:
+            raise Refused(
+                plan.request.refused(503, "keeper_unavailable", str(exc), close=close)
+            ) from None
+        self.response_started = True
+        await self.stream.send_all(json_response(status, answer, close=close))
+        self.emit_allowed(status=status)
+        return not close
+
+    # -- tunnels ------------------------------------------------------------------------------
+
+    async def _serve_tunnel(self, plan: OpenTunnel) -> None:
+        runtime, crew = self.runtime, self.crew
+        request = plan.request
+        dialer = runtime.dialer
+        host, port = plan.host, plan.port
+        try:
+            addresses = await dialer.resolve(host, port, crew.lookups, crew.guard)
+            upstreams = dialer.reserve(crew.name)
+        except PolicyDenied as exc:
+            raise Refused(request.denied(exc.rule, str(exc), close=True)) from None
+        except UpstreamError as exc:
+            raise Refused(upstream_refusal(request, exc, close=True)) from None
+        try:
+            try:
+                sock = await dialer.connect_checked(addresses, port, host)
+            except UpstreamError as exc:
+                raise Refused(upstream_refusal(request, exc, close=True)) from None
+            try:
+                await self._relay_tunnel(plan, sock)
+            finally:
+                trio.lowlevel.notify_closing(sock)
+                sock.close()
+        finally:
+            upstreams.open -= 1
+
+    async def _relay_tunnel(self, plan: OpenTunnel, sock: socket.socket) -> None:
+        runtime, crew = self.runtime, self.crew
+        runtime.tunnel_ids += 1
+        tunnel_id = runtime.tunnel_ids
+        address = str(sock.getpeername()[0])
+        assert self.progress is not None
+        self.progress.address = address
+        self.progress.body_consumed = True
+        self.emit_allowed(status=200)
+        self.emit(
+            TunnelOpened(
+                crew=crew.name,
+                tunnel_id=tunnel_id,
+                host=plan.host,
+                port=plan.port,
+                address=address,
+            )
+        )
+        started = time.monotonic()
+        stats = tunnel.TunnelStats(reason="error")
+        try:
+            self.response_started = True
+            await self.stream.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+            prefix = bytes(self.buffer)
+            self.buffer.clear()
+            # The tunnel has its own idle deadline; lift the connection's.
+            self.phase = Phase.RELAY
+            self.deadline = math.inf
+            stats = await tunnel.relay(
+                self.stream.sock,
+                sock,
+                client_prefix=prefix,
+                idle_timeout=self.limits.tunnel_idle_timeout,
+            )
+        except trio.BrokenResourceError as exc:
+            stats.reason = "agent_reset: " + _cause(exc)
+        finally:
+            if self.ended_by is not None:
+                stats.reason = self.ended_by
+            self.emit(
+                TunnelClosed(
+                    crew=crew.name,
+                    tunnel_id=tunnel_id,
+                    host=plan.host,
+                    port=plan.port,
+                    bytes_up=stats.bytes_up,
+                    bytes_down=stats.bytes_down,
+                    duration=round(time.monotonic() - started, 6),
+                    reason=stats.reason,
+                )
+            )
+
+
+def _request_of(plan: Refuse, crew: CrewState) -> Request:
+    event = plan.event
+    return Request(crew.name, crew.mode, event.route, event.method, event.host, event.port)
+
+
+def _without_cancellation(exc: BaseException) -> BaseException | None:
+    """`exc` minus trio's cancellations (None if nothing else is left). KeyboardInterrupt and
+    SystemExit are never contained."""
+    if isinstance(exc, trio.Cancelled | KeyboardInterrupt | SystemExit | GeneratorExit):
+        return None
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split((trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit))
+        return rest
+    return exc
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_cause(inner) for inner in exc.exceptions)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def lingering_close(stream: PlainStream) -> None:
+    """Close after a refusal without destroying it.
+
+    Closing a socket that still holds unread input makes the kernel send RST, and an RST can
+    discard our response before the agent reads it. So: half-close, drain what the agent is still
+    sending (bounded in bytes and time), then close (the "lingering close" of Apache and nginx).
+    """
+    try:
+        stream.shutdown_write()
+        with trio.move_on_after(LINGER_SECONDS):
+            drained = 0
+            while drained < LINGER_BYTES:
+                data = await stream.receive(RECV_SIZE)
+                if not data:
+                    break
+                drained += len(data)
+    except (OSError, trio.BrokenResourceError):
+        pass
+    finally:
+        stream.close()

@@ -1,0 +1,440 @@
+"""The forward exchange: one request to its upstream, and the response back through the scrubber.
+
+Theory of operation: the exchange (proxycore/protocol/exchange.py) has built the upstream
+request head and checked the name policy; this module moves the bytes.
+
+Request body, by framing (every one counted against `max_body_bytes` as it passes):
+  - none, or a body that ends within `REPLAYABLE_BODY` bytes (Content-Length or chunked): read
+    whole (within the crew's `max_buffered_bytes_per_crew`), sent with a Content-Length on a
+    pooled connection, and sent again once on a fresh connection if the pooled one had gone stale;
+  - anything longer: streamed on a fresh connection as it arrives, with flow control (nothing
+    more is read from the agent until the upstream has taken what was read): a Content-Length
+    body as it is, a chunked body re-framed chunk by chunk (never the agent's own framing,
+    extensions or trailers).
+
+Response (proxycore/protocol/responses.py decides): no body; a small body read whole, scrubbed
+and sent with its new length; or a stream through the scrubber. A broken upstream before any
+response byte went to the agent is a 502 (or 504) the agent can read; after, the connection is
+closed (the only signal left) and the journal names why (`RequestAllowed.ended`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
+from proxycore.io.progress import RECV_SIZE, Phase, Refused, upstream_refusal
+from proxycore.io.upstream import UpstreamConnection
+from proxycore.protocol import http1
+from proxycore.protocol.events import CredentialInjected
+from proxycore.protocol.exchange import REPLAYABLE_BODY, Forward, Refuse
+from proxycore.protocol.responses import WHOLE_BODY, BodyMode, ResponsePlan, plan_response
+
+if TYPE_CHECKING:
+    from proxycore.io.connection import ClientConnection
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class _UpstreamBroken(Exception):
+    """The upstream's socket failed (reset, broken pipe) or closed before a response."""
+
+
+async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:
+    """Carry out a Forward plan; returns whether the agent's connection stays open."""
+    try:
+        return await _exchange(conn, plan, head)
+    except Refused:
+        if conn.upstream is not None:
+            conn.upstream.close()  # an exchange left half done is never pooled
+            conn.upstream = None
+        raise
+
+
+async def _exchange(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:
+    crew = conn.crew
+    progress = conn.progress
+    assert progress is not None
+    progress.rule = plan.rule
+    reader: http1.BodyReader | None = None
+    body: bytes | None = None
+    prefix = b""
+    held = 0
+    try:
+        if head.body_kind is not http1.BodyKind.NONE:
+            if plan.expect_continue:
+                # RFC 9110 10.1.1: the policy and the declared size passed; ask for the body.
+                await conn.stream.send_all(CONTINUE)
+            reader = http1.BodyReader.for_request(head, conn.runtime.http_limits)
+            small = head.body_kind is http1.BodyKind.CHUNKED or (
+                head.content_length <= REPLAYABLE_BODY
+            )
+            want = (
+                head.content_length
+                if head.body_kind is http1.BodyKind.LENGTH
+                else (REPLAYABLE_BODY)
+            )
+            if small and crew.buffered.take(want):
+                held = want
+                prefix = await _read_up_to(conn, reader, REPLAYABLE_BODY)
+                if reader.done:
+                    body, reader = prefix, None
+        if reader is None:
+            upstream, response = await _send_replayable(conn, plan, head, body)
+        else:
+            upstream, response = await _send_streaming(conn, plan, head, reader, prefix)
+    finally:
+        crew.buffered.give_back(held)
+    progress.address = upstream.address
+    progress.status = response.status
+    if plan.provider is not None:
+        conn.emit(CredentialInjected(crew=crew.name, provider=plan.provider.value, host=plan.host))
+    whole = (
+        response.body_kind is http1.BodyKind.LENGTH
+        and response.content_length <= WHOLE_BODY
+        and crew.buffered.take(response.content_length)
+    )
+    try:
+        decided = plan_response(
+            plan,
+            head,
+            response,
+            conn.runtime.scrubbers.current,
+            whole_limit=WHOLE_BODY if whole else 0,
+        )
+        if isinstance(decided, Refuse):
+            raise Refused(decided)
+        return await _relay(conn, plan, decided, upstream, response)
+    finally:
+        if whole:
+            crew.buffered.give_back(response.content_length)
+
+
+# -- the request --------------------------------------------------------------------------------
+
+
+async def _read_up_to(conn: ClientConnection, reader: http1.BodyReader, limit: int) -> bytes:
+    """Read the body until it ends or `limit` bytes are decoded (the rest is streamed)."""
+    body = bytearray()
+    try:
+        while not reader.done and len(body) < limit:
+            data = await conn._receive_body()
+            if not data:
+                reader.feed_eof()
+            body += reader.feed(data)
+    except HttpProtocolError as exc:
+        raise Refused(conn.bad_body(exc)) from None
+    if len(body) > conn.limits.max_body_bytes:
+        raise Refused(conn.too_large(conn.limits.max_body_bytes))
+    if reader.done:
+        conn.buffer[:0] = reader.take_leftover()
+        assert conn.progress is not None
+        conn.progress.body_consumed = True
+    return bytes(body)
+
+
+async def _open(conn: ClientConnection, plan: Forward, *, fresh: bool) -> UpstreamConnection:
+    runtime, crew = conn.runtime, conn.crew
+    dialer = runtime.dialer
+    if not fresh:
+        pooled = dialer.checkout(crew.name, plan.tls, plan.host, plan.port)
+        if pooled is not None:
+            conn.upstream = pooled
+            return pooled
+    conn.phase = Phase.UPSTREAM
+    conn.deadline = float("inf")  # the dialer bounds lookups, connects and handshakes itself
+    request = plan.request
+    try:
+        upstream = await dialer.open(
+            crew.name, crew.lookups, crew.guard, plan.tls, plan.host, plan.port
+        )
+    except PolicyDenied as exc:
+        raise Refused(request.denied(exc.rule, str(exc), close=not plan.keep_alive)) from None
+    except UpstreamError as exc:
+        raise Refused(upstream_refusal(request, exc, close=True)) from None
+    conn.upstream = upstream
+    return upstream
+
+
+async def _send_upstream(conn: ClientConnection, upstream: UpstreamConnection, data: bytes) -> None:
+    conn.phase = Phase.UPSTREAM
+    conn.deadline = time.monotonic() + conn.limits.read_timeout
+    try:
+        await upstream.stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        raise _UpstreamBroken(str(exc)) from None
+
+
+async def _send_replayable(
+    conn: ClientConnection, plan: Forward, head: http1.RequestHead, body: bytes | None
+) -> tuple[UpstreamConnection, http1.ResponseHead]:
+    data = plan.upstream_head(None if body is None else len(body))
+    if body:
+        data += body
+    attempt = 0
+    while True:
+        attempt += 1
+        upstream = await _open(conn, plan, fresh=attempt > 1)
+        try:
+            await _send_upstream(conn, upstream, data)
+            response = await _read_response_head(conn, plan, upstream, head.method)
+        except _UpstreamBroken:
+            upstream.close()
+            conn.upstream = None
+            if upstream.reused and attempt == 1:
+                continue  # the pooled connection had gone stale: once more, fresh
+            raise Refused(_upstream_closed(plan)) from None
+        assert conn.progress is not None
+        conn.progress.bytes_up = len(body) if body else 0
+        return upstream, response
+
+
+async def _send_streaming(
+    conn: ClientConnection,
+    plan: Forward,
+    head: http1.RequestHead,
+    reader: http1.BodyReader,
+    prefix: bytes,
+) -> tuple[UpstreamConnection, http1.ResponseHead]:
+    limit = conn.limits.max_body_bytes
+    chunked = head.body_kind is http1.BodyKind.CHUNKED
+    upstream = await _open(conn, plan, fresh=True)
+    first = plan.upstream_head(None if chunked else head.content_length, chunked=chunked)
+    sent = len(prefix)
+    progress = conn.progress
+    assert progress is not None
+    try:
+        await _send_upstream(
+            conn, upstream, first + (http1.encode_chunk(prefix) if chunked else prefix)
+        )
+        while not reader.done:
+            data = await conn._receive_body()
+            try:
+                if not data:
+                    reader.feed_eof()
+                piece = reader.feed(data)
+            except HttpProtocolError as exc:
+                raise Refused(conn.bad_body(exc)) from None
+            sent += len(piece)
+            if sent > limit:
+                raise Refused(conn.too_large(limit))
+            if piece:
+                await _send_upstream(
+                    conn, upstream, http1.encode_chunk(piece) if chunked else piece
+                )
+        if chunked:
+            await _send_upstream(conn, upstream, http1.LAST_CHUNK)
+        conn.buffer[:0] = reader.take_leftover()
+        progress.body_consumed = True
+        progress.bytes_up = sent
+        response = await _read_response_head(conn, plan, upstream, head.method)
+    except _UpstreamBroken:
+        raise Refused(_upstream_closed(plan)) from None
+    return upstream, response
+
+
+def _upstream_closed(plan: Forward) -> Refuse:
+    return plan.request.refused(
+        502,
+        "upstream_failed",
+        f"{plan.host} closed the connection",
+        rule="upstream_closed",
+        close=True,
+    )
+
+
+def _protocol_error(plan: Forward, exc: HttpProtocolError) -> Refuse:
+    return plan.request.refused(
+        502,
+        "upstream_failed",
+        f"{plan.host} sent a malformed response: {exc}",
+        rule="upstream_protocol_error",
+        close=True,
+    )
+
+
+async def _receive_upstream(
+    conn: ClientConnection,
+    upstream: UpstreamConnection,
+    phase: Phase,
+    deadline: float,
+    *,
+    answer_pending: bool = False,
+) -> bytes:
+    try:
+        return await conn._receive(upstream.stream, phase, deadline, answer_pending=answer_pending)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        raise _UpstreamBroken(str(exc)) from None
+
+
+async def _read_response_head(
+    conn: ClientConnection, plan: Forward, upstream: UpstreamConnection, method: bytes
+) -> http1.ResponseHead:
+    """The final response head (interim 1xx responses are read and dropped)."""
+    buffer = upstream.buffer
+    deadline = time.monotonic() + conn.limits.read_timeout
+    http_limits = conn.runtime.http_limits
+    answer_pending = True  # the request was just sent
+    while True:
+        if buffer:
+            try:
+                parsed = http1.parse_response_head(buffer, http_limits, request_method=method)
+            except HttpProtocolError as exc:
+                raise Refused(_protocol_error(plan, exc)) from None
+            if parsed is not None:
+                response, consumed = parsed
+                del buffer[:consumed]
+                if 100 <= response.status < 200:
+                    if response.status == 101:
+                        raise Refused(
+                            _protocol_error(plan, HttpProtocolError("unexpected 101 response"))
+                        )
+                    continue  # interim (100 Continue, 103 Early Hints): not relayed
+                return response
+        data = await _receive_upstream(
+            conn, upstream, Phase.UPSTREAM, deadline, answer_pending=answer_pending
+        )
+        answer_pending = False
+        if not data:
+            if buffer:
+                closed = HttpProtocolError("closed inside a response head")
+                raise Refused(_protocol_error(plan, closed))
+            raise _UpstreamBroken("closed before a response")
+        buffer += data
+
+
+# -- the response -------------------------------------------------------------------------------
+
+
+async def _relay(
+    conn: ClientConnection,
+    plan: Forward,
+    decided: ResponsePlan,
+    upstream: UpstreamConnection,
+    response: http1.ResponseHead,
+) -> bool:
+    progress = conn.progress
+    assert progress is not None
+    buffer = upstream.buffer
+    scrubber = conn.runtime.scrubbers.current
+    send_all = conn.stream.send_all
+    if decided.mode is BodyMode.NONE:
+        conn.response_started = True
+        await send_all(decided.head())
+        _release(conn, upstream, decided.reusable and not buffer)
+        conn.emit_allowed(status=decided.status)
+        return decided.keep_client
+    if decided.mode is BodyMode.WHOLE:
+        length = response.content_length
+        deadline = time.monotonic() + conn.limits.read_timeout
+        try:
+            while len(buffer) < length:
+                data = await _receive_upstream(conn, upstream, Phase.RELAY, deadline)
+                if not data:
+                    raise _UpstreamBroken("closed inside a response body")
+                buffer += data
+        except _UpstreamBroken:
+            raise Refused(
+                plan.request.refused(
+                    502,
+                    "upstream_failed",
+                    f"{plan.host} closed the connection inside a response body",
+                    rule="upstream_closed",
+                    close=True,
+                )
+            ) from None
+        body = bytes(buffer[:length])
+        del buffer[:length]
+        scrubbed = scrubber.scrub(body) if body else body
+        out = decided.head(len(scrubbed))
+        out += scrubbed
+        conn.response_started = True
+        await send_all(out)
+        progress.bytes_down = len(scrubbed)
+        _release(conn, upstream, decided.reusable and not buffer)
+        conn.emit_allowed(status=decided.status)
+        return decided.keep_client
+    return await _relay_stream(conn, plan, decided, upstream, response)
+
+
+async def _relay_stream(
+    conn: ClientConnection,
+    plan: Forward,
+    decided: ResponsePlan,
+    upstream: UpstreamConnection,
+    response: http1.ResponseHead,
+) -> bool:
+    progress = conn.progress
+    assert progress is not None
+    scrub = conn.runtime.scrubbers.current.stream()
+    reader = http1.BodyReader.for_response(response, conn.runtime.http_limits)
+    buffer = upstream.buffer
+    rechunk = decided.rechunk
+    send_all = conn.stream.send_all
+    read_timeout = conn.limits.read_timeout
+    # What already arrived is decoded before the head goes out, so framing that is broken from
+    # the start is answered 502 rather than cut off after a 200.
+    first = bytes(buffer)
+    buffer.clear()
+    if not first:
+        first = upstream.stream.try_receive(RECV_SIZE) or b""
+    try:
+        piece = reader.feed(first) if first else b""
+    except HttpProtocolError as exc:
+        raise Refused(_protocol_error(plan, exc)) from None
+    out = decided.head()
+    conn.response_started = True
+    ended = "complete"
+    try:
+        while True:
+            if piece:
+                # An SSE event comes out with the read that completed it, unless its last
+                # bytes could begin a secret (native/scrub_reference.py: the hold-back rule).
+                piece = scrub.feed(piece)
+            if reader.done:
+                piece += scrub.flush()
+            if piece:
+                progress.bytes_down += len(piece)
+                out += http1.encode_chunk(piece) if rechunk else piece
+            if reader.done:
+                if rechunk:
+                    out += http1.LAST_CHUNK
+                await send_all(out)
+                break
+            if out:
+                await send_all(out)
+                out = bytearray()
+            # Each piece re-arms the deadline: a slow stream is fine, a silent one is not.
+            data = await _receive_upstream(
+                conn, upstream, Phase.RELAY, time.monotonic() + read_timeout
+            )
+            if data:
+                piece = reader.feed(data)
+            else:
+                reader.feed_eof()
+                piece = b""
+    except HttpProtocolError as exc:
+        ended = f"upstream_protocol_error: {exc}"
+    except _UpstreamBroken as exc:
+        ended = f"upstream_closed: {exc}"
+    if ended != "complete":
+        # Too late for a refusal: the agent sees the connection end without the last chunk
+        # (or short of its length), which every HTTP client reads as a truncated response.
+        upstream.close()
+        conn.upstream = None
+        conn.emit_allowed(status=decided.status, ended=ended)
+        return False
+    leftover = reader.take_leftover()
+    _release(conn, upstream, decided.reusable and not leftover)
+    conn.emit_allowed(status=decided.status)
+    return decided.keep_client
+
+
+def _release(conn: ClientConnection, upstream: UpstreamConnection, reusable: bool) -> None:
+    """After a complete exchange: back to the crew's pool if it can carry another, else closed."""
+    conn.upstream = None
+    if not (reusable and conn.runtime.dialer.checkin(upstream)):
+        upstream.close()

@@ -1,0 +1,716 @@
+"""The exchange: what to do with one parsed request, decided without I/O.
+
+Theory of operation
+-------------------
+The connection adapter (`proxycore/io/connection.py`) reads a request head and asks
+`plan_request` what to do with it. The answer is a plan, a frozen value that names the action and
+carries everything the adapter needs to carry it out, including the request's identity for the
+journal (`Request`):
+
+    Refuse       answer with a status and a readable JSON body, then keep or close
+    ServeLocal   the sidecar's local API (health)
+    ServeKeeper  read the body (bounded) and ask `check_keeper_call` about it
+    Forward      send the request, with the head built here, to (host, port) over TLS or not;
+                 the dialer checks every resolved address before it connects
+    OpenTunnel   CONNECT: resolve, check, dial and relay opaque bytes
+
+The adapter does the I/O and comes back here with what it met: the upstream's response head
+(`proxycore.protocol.responses.plan_response`), a failure (`Request.refused`), the end of the
+exchange (`Request.allowed`). The terminal event of every request is built by `Request`, so the
+adapter can emit exactly one per request without deciding its content. Nothing in this module
+awaits or touches a socket: every decision can be tested and fuzzed from bytes alone
+(fuzz/fuzz_exchange.py).
+
+The order of checks for a request (docs/proxy.md): the request form decides the route; the
+journal must be able to record it (else 503 `audit_unavailable`); the name policy (mode and
+exact allowlist); the declared body size; then the adapter resolves and the SSRF guard checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from proxycore.errors import PolicyDenied
+from proxycore.protocol import http1
+from proxycore.protocol.credentials import (
+    Credential,
+    Provider,
+    ProviderRoute,
+    rewrite_for_provider,
+)
+from proxycore.protocol.events import (
+    KeeperCallRefused,
+    RequestAllowed,
+    RequestDenied,
+    RequestErrored,
+    RequestRefused,
+)
+from proxycore.protocol.keeper import Action, KeeperRefused, check_intent, parse_command
+from proxycore.protocol.policy import (
+    Allowlist,
+    EgressDecision,
+    NetworkMode,
+    decide_egress,
+    parse_authority,
+)
+from proxycore.protocol.refusals import Refusal, local_json, refusal
+from proxycore.protocol.scrubbing import IDENTITY
+
+__all__ = [
+    "AUDIT_UNAVAILABLE",
+    "DRAIN_LIMIT",
+    "KEEPER_BODY_BYTES",
+    "KEEPER_JSON_DEPTH",
+    "REPLAYABLE_BODY",
+    "CrewPolicy",
+    "Forward",
+    "OpenTunnel",
+    "Plan",
+    "Refuse",
+    "Request",
+    "Routes",
+    "ServeKeeper",
+    "ServeLocal",
+    "check_keeper_call",
+    "close_after_refusal",
+    "keeper_refused_event",
+    "plan_request",
+    "refuse_unparsed",
+]
+
+# Request bodies up to this size are read whole before dialing, so a failed reused upstream
+# connection can be retried on a fresh one; larger bodies stream through a fresh connection.
+REPLAYABLE_BODY = 64 * 1024
+# A refused request's body up to this size is read and discarded so the connection can carry
+# the next request; a larger one (or one of unknown size) closes the connection instead. Never
+# parsed as a request: that is how a body smuggles one (RFC 9112 9.3, 11.2).
+DRAIN_LIMIT = 64 * 1024
+LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
+# The keeper's routes of the local API (docs/keeper.md), forwarded to applianced.
+KEEPER_PATHS = {b"/keeper/request": Action.REQUEST, b"/keeper/execute": Action.EXECUTE}
+KEEPER_BODY_BYTES = 16 * 1024
+# The keeper's body is a flat object of strings; 32 levels is far beyond any honest one and far
+# below what a recursive decoder survives (msgspec raises RecursionError past a few hundred).
+KEEPER_JSON_DEPTH = 32
+AUDIT_UNAVAILABLE = "audit_unavailable"  # the rule named when the journal is behind
+MEMO_SIZE = 4096
+
+_METHODS_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
+# Replaced by the proxy's own: the framing, and the codings the agent accepts (the proxy asks for
+# identity so that the scrubber reads the response body; see proxycore/protocol/scrubbing.py).
+_REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect", b"accept-encoding"})
+_REQUEST_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING)
+# After "http://": the authority runs to the first "/", "?" or "#"; the path and query run to
+# the fragment, which is dropped (RFC 9110 4.2.1: never sent to the origin).
+_ABSOLUTE_TARGET_RE = re.compile(rb"([^/?#]*)([^#]*)")
+_WHY_DENIED = {
+    "mode_none": "crew {crew} has network mode none: no egress at all",
+    "not_in_allowlist": "{host} is not on the allowlist of crew {crew}",
+    "ip_shorthand": "{host} is a numeric shorthand for an address; refused",
+}
+
+
+# -- the crew's side of a decision ----------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class CrewPolicy:
+    """A crew's name policy: its mode, its exact allowlist, and a memo of decisions.
+
+    The memo is cleared whenever the allowlist changes (a crew's mode never does), so a cached
+    decision is always the current one. Bounded: cleared whole at `MEMO_SIZE` entries.
+    """
+
+    name: str
+    mode: NetworkMode
+    allowlist: Allowlist
+    decisions: dict[tuple[str, int], EgressDecision] = dataclasses.field(default_factory=dict)
+
+    def decide(self, host: str, port: int) -> EgressDecision:
+        key = (host, port)
+        decision = self.decisions.get(key)
+        if decision is None:
+            if len(self.decisions) >= MEMO_SIZE:
+                self.decisions.clear()
+            decision = self.decisions[key] = decide_egress(self.mode, self.allowlist, host, port)
+        return decision
+
+    def allow(self, host: str) -> bool:
+        added = self.allowlist.add(host)
+        self.decisions.clear()
+        return added
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """The provider routes (by path segment and by exact host) and the store's credentials."""
+
+    by_name: Mapping[bytes, ProviderRoute]
+    by_host: Mapping[str, ProviderRoute]
+    # crew name -> provider -> credential (applianced's store); precedes the route's own.
+    crew_credentials: Mapping[str, Mapping[Provider, Credential]]
+
+    def for_crew(self, route: ProviderRoute, crew: str) -> ProviderRoute:
+        credential = self.crew_credentials.get(crew, {}).get(route.provider)
+        if credential is None:
+            return route
+        return dataclasses.replace(route, credential=credential)
+
+
+# -- the request's identity and its terminal event -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """Who asked for what: enough to write the request's one terminal event.
+
+    `route` is "forward", "reverse", "tunnel", "local", "keeper", or "" while the request is not
+    read far enough to know ("connection" for a connection refused before any byte is read).
+    """
+
+    crew: str
+    mode: str
+    route: str = ""
+    method: str = ""
+    host: str = ""
+    port: int = 0
+
+    def allowed(
+        self,
+        *,
+        address: str,
+        rule: str,
+        status: int,
+        bytes_up: int = 0,
+        bytes_down: int = 0,
+        duration: float = 0.0,
+        ended: str = "complete",
+    ) -> RequestAllowed:
+        return RequestAllowed(
+            crew=self.crew,
+            mode=self.mode,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            address=address,
+            rule=rule,
+            status=status,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            duration=round(duration, 6),
+            complete=ended == "complete",
+            ended=ended,
+        )
+
+    def denied(self, rule: str, message: str, *, close: bool) -> Refuse:
+        """The name policy or the SSRF guard said no: 403."""
+        body = Refusal(
+            error="egress_denied",
+            message=message,
+            host=self.host,
+            rule=rule,
+            mode=self.mode,
+            crew=self.crew,
+        )
+        event = RequestDenied(
+            crew=self.crew,
+            mode=self.mode,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            rule=rule,
+            status=403,
+        )
+        return Refuse(403, body, close, event)
+
+    def refused(
+        self, status: int, error: str, message: str, *, rule: str | None = None, close: bool
+    ) -> Refuse:
+        """The proxy answers with its own error (bad input, limits, a failed upstream)."""
+        body = Refusal(
+            error=error,
+            message=message,
+            host=self.host or None,
+            rule=rule,
+            mode=self.mode if rule is not None else None,
+            crew=self.crew,
+        )
+        event = RequestRefused(
+            crew=self.crew,
+            mode=self.mode,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            rule=rule or error,
+            status=status,
+            message=message[:300],
+        )
+        return Refuse(status, body, close, event)
+
+    def errored(self, cause: str, status: int) -> RequestErrored:
+        return RequestErrored(
+            crew=self.crew,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            cause=cause[:300],
+            status=status,
+        )
+
+    def with_target(self, route: str, host: str, port: int) -> Request:
+        return dataclasses.replace(self, route=route, host=host, port=port)
+
+
+# -- plans ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer `status` with `body` (JSON), record `event`; `close` ends the connection after."""
+
+    status: int
+    body: Refusal
+    close: bool
+    event: RequestDenied | RequestRefused
+
+    def response(self) -> bytes:
+        return refusal(self.status, self.body, close=self.close)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLocal:
+    request: Request
+    response: bytes
+    keep_alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServeKeeper:
+    request: Request
+    action: Action
+    keep_alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTunnel:
+    request: Request
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send the request to (host, port); `head` is the upstream request head up to and
+    excluding the framing field and the blank line (see `upstream_head`)."""
+
+    request: Request
+    host: str
+    port: int
+    tls: bool
+    head: bytes
+    # The provider whose credential was injected into `head`, if any.
+    provider: Provider | None
+    keep_alive: bool
+    expect_continue: bool
+    # POST, PUT and PATCH without a body are sent with "content-length: 0".
+    empty_body_length: bool
+
+    @property
+    def rule(self) -> str:
+        return "provider" if self.provider is not None else "policy"
+
+    def upstream_head(self, length: int | None, *, chunked: bool = False) -> bytes:
+        """The head with its framing: a length, chunked, or none (no body)."""
+        if chunked:
+            return self.head + b"\r\ntransfer-encoding: chunked\r\n\r\n"
+        if length is None:
+            if self.empty_body_length:
+                return self.head + b"\r\ncontent-length: 0\r\n\r\n"
+            return self.head + b"\r\n\r\n"
+        return self.head + b"\r\ncontent-length: %d\r\n\r\n" % length
+
+
+Plan = Refuse | ServeLocal | ServeKeeper | OpenTunnel | Forward
+
+
+# -- deciding ---------------------------------------------------------------------------------
+
+
+def refuse_unparsed(crew: str, mode: str, status: int, message: str) -> Refuse:
+    """A request that could not be read (bad framing, limits, a head too slow): the connection
+    closes after the answer, since where the next request would start is unknown."""
+    return Request(crew, mode).refused(status, "bad_request", message, close=True)
+
+
+def plan_request(
+    head: http1.RequestHead,
+    crew: CrewPolicy,
+    routes: Routes,
+    *,
+    audit_blocked: bool,
+    max_body: int,
+) -> Plan:
+    """What to do with one request from `crew` (see the module docstring)."""
+    request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii", "replace"))
+    target = head.target
+    if head.method == b"CONNECT":
+        return _plan_tunnel(head, crew, request, audit_blocked=audit_blocked)
+    if target[:7].lower() == b"http://":
+        return _plan_forward(
+            head, crew, routes, request, audit_blocked=audit_blocked, max_body=max_body
+        )
+    if target[:1] == b"/":
+        return _plan_origin_form(
+            head, crew, routes, request, audit_blocked=audit_blocked, max_body=max_body
+        )
+    if target[:8].lower() == b"https://":
+        return request.refused(
+            400,
+            "bad_request",
+            "https:// targets must use CONNECT",
+            close=close_after_refusal(head),
+        )
+    return request.refused(
+        400,
+        "bad_request",
+        f"unsupported request target form for {head.method.decode('ascii', 'replace')}",
+        close=True,
+    )
+
+
+def close_after_refusal(head: http1.RequestHead) -> bool:
+    """Whether a refusal must close the connection: the agent asked to, or the request's body
+    cannot be drained cheaply (unknown size, over `DRAIN_LIMIT`, or held back by 100-continue
+    that a refusal never answers)."""
+    if not head.keep_alive or head.expect_continue:
+        return True
+    if head.body_kind is http1.BodyKind.CHUNKED:
+        return True
+    return head.body_kind is http1.BodyKind.LENGTH and head.content_length > DRAIN_LIMIT
+
+
+def _check_policy(
+    head: http1.RequestHead,
+    crew: CrewPolicy,
+    request: Request,
+    *,
+    audit_blocked: bool,
+    close: bool,
+) -> Refuse | None:
+    if audit_blocked:
+        # Every route (forward, reverse, tunnel) passes here before anything is dialled. Paused
+        # by applianced (its journal is behind), or this worker's own events are not being
+        # taken off its hands fast enough: either way, refuse rather than not record.
+        return request.refused(
+            503,
+            "audit_unavailable",
+            "the appliance cannot record requests right now (its journal is behind); "
+            "nothing was sent; retry in a few seconds",
+            rule=AUDIT_UNAVAILABLE,
+            close=close,
+        )
+    decision = crew.decide(request.host, request.port)
+    if decision.allowed:
+        return None
+    why = _WHY_DENIED.get(decision.rule, "{host} refused by rule " + decision.rule)
+    return request.denied(decision.rule, why.format(crew=crew.name, host=request.host), close=close)
+
+
+def _plan_tunnel(
+    head: http1.RequestHead, crew: CrewPolicy, request: Request, *, audit_blocked: bool
+) -> Plan:
+    try:
+        host, port = parse_authority(head.target, -1)
+    except PolicyDenied as exc:
+        request = request.with_target("tunnel", exc.host, 0)
+        return request.denied(exc.rule, str(exc), close=True)
+    request = request.with_target("tunnel", host, port)
+    if head.body_kind is not http1.BodyKind.NONE:
+        # RFC 9110 9.3.6: a CONNECT request has no content; one that declares some is refused
+        # rather than guessed at.
+        return request.refused(400, "bad_request", "CONNECT with a body", close=True)
+    refused = _check_policy(head, crew, request, audit_blocked=audit_blocked, close=True)
+    if refused is not None:
+        return refused
+    return OpenTunnel(request, host, port)
+
+
+def _plan_forward(
+    head: http1.RequestHead,
+    crew: CrewPolicy,
+    routes: Routes,
+    request: Request,
+    *,
+    audit_blocked: bool,
+    max_body: int,
+) -> Plan:
+    match = _ABSOLUTE_TARGET_RE.match(head.target, 7)
+    assert match is not None  # the pattern matches any bytes
+    authority, path = match.groups()
+    if path[:1] != b"/":
+        path = b"/" + path  # "http://host?q" or "http://host"
+    close = close_after_refusal(head)
+    try:
+        host, port = _parse_forward_authority(authority)
+    except PolicyDenied as exc:
+        request = request.with_target("forward", exc.host, 0)
+        return request.denied(exc.rule, str(exc), close=close)
+    request = request.with_target("forward", host, port)
+    refused = _check_policy(head, crew, request, audit_blocked=audit_blocked, close=close)
+    if refused is not None:
+        return refused
+    provider = routes.by_host.get(host)
+    if provider is not None:
+        # An exact provider host: always over verified TLS to the configured base URL, so the
+        # credential can be injected (never onto a plain-text connection).
+        return _forward(
+            head,
+            routes.for_crew(provider, crew.name),
+            request,
+            provider.host,
+            provider.port,
+            True,
+            path,
+            max_body,
+        )
+    return _forward(head, None, request, host, port, False, path, max_body)
+
+
+_AUTHORITIES: dict[bytes, tuple[str, int]] = {}
+
+
+def _parse_forward_authority(authority: bytes) -> tuple[str, int]:
+    """`policy.parse_authority` for forward requests, memoized (it is pure; refusals are not
+    memoized, so a hostile agent cannot fill the memo with them)."""
+    parsed = _AUTHORITIES.get(authority)
+    if parsed is None:
+        parsed = parse_authority(authority, 80)
+        if len(_AUTHORITIES) >= MEMO_SIZE:
+            _AUTHORITIES.clear()
+        _AUTHORITIES[authority] = parsed
+    return parsed
+
+
+def _plan_origin_form(
+    head: http1.RequestHead,
+    crew: CrewPolicy,
+    routes: Routes,
+    request: Request,
+    *,
+    audit_blocked: bool,
+    max_body: int,
+) -> Plan:
+    target = head.target
+    path = target.split(b"?", 1)[0]
+    keep_alive = head.keep_alive
+    action = KEEPER_PATHS.get(path)
+    if action is not None:
+        request = request.with_target("keeper", "", 0)
+        close = close_after_refusal(head)
+        if head.method != b"POST":
+            return request.refused(
+                405, "method_not_allowed", "the keeper takes POST only", close=close
+            )
+        if head.body_kind is http1.BodyKind.LENGTH and head.content_length > KEEPER_BODY_BYTES:
+            return request.refused(
+                413,
+                "body_too_large",
+                f"keeper request body over {KEEPER_BODY_BYTES} bytes",
+                close=True,
+            )
+        return ServeKeeper(request, action, keep_alive)
+    if path in LOCAL_PATHS:
+        request = request.with_target("local", "", 0)
+        response = local_json({"ok": True, "crew": crew.name, "mode": crew.mode.value})
+        return ServeLocal(request, response, keep_alive)
+    second = target.find(b"/", 1)
+    query = target.find(b"?", 1)
+    ends = [i for i in (second, query) if i != -1]
+    end = min(ends) if ends else len(target)
+    route = routes.by_name.get(target[1:end])
+    if route is None:
+        return request.with_target("reverse", "", 0).refused(
+            404,
+            "not_found",
+            "no such route; use /anthropic/, /openai/, /google/ or a proxy request",
+            close=close_after_refusal(head),
+        )
+    rest = target[end:]
+    if rest[:1] != b"/":
+        rest = b"/" + rest
+    request = request.with_target("reverse", route.host, route.port)
+    close = close_after_refusal(head)
+    refused = _check_policy(head, crew, request, audit_blocked=audit_blocked, close=close)
+    if refused is not None:
+        return refused
+    upstream_target = route.path_prefix.encode("ascii") + rest
+    return _forward(
+        head,
+        routes.for_crew(route, crew.name),
+        request,
+        route.host,
+        route.port,
+        True,
+        upstream_target,
+        max_body,
+    )
+
+
+def _forward(
+    head: http1.RequestHead,
+    provider: ProviderRoute | None,
+    request: Request,
+    host: str,
+    port: int,
+    tls: bool,
+    target: bytes,
+    max_body: int,
+) -> Plan:
+    if head.body_kind is http1.BodyKind.LENGTH and head.content_length > max_body:
+        return request.refused(
+            413, "body_too_large", f"request body over {max_body} bytes", close=True
+        )
+    authority = _host_field(host, port, tls)
+    fields = None if provider is not None else http1.relay_fields(head, _REQUEST_DROP)
+    injected: Provider | None = None
+    if fields is not None:
+        # The fast path: the agent's field lines as they arrived, minus the dropped ones.
+        upstream = b"%s %s HTTP/1.1\r\nhost: %s%s\r\naccept-encoding: identity" % (
+            head.method,
+            target,
+            authority,
+            fields,
+        )
+    else:
+        headers = [
+            (name, value)
+            for name, value in http1.strip_hop_by_hop(head.headers)
+            if name not in _REQUEST_FRAMING
+        ]
+        if provider is not None:
+            target, headers, did_inject = rewrite_for_provider(provider, target, headers)
+            if did_inject:
+                injected = provider.provider
+        headers.insert(0, (b"host", authority))
+        headers.append((b"accept-encoding", IDENTITY))
+        # serialize_request_head refuses a field a peer could not read back (CR, LF, NUL):
+        # raises HttpProtocolError (500), which the adapter reports as an error.
+        upstream = http1.serialize_request_head(head.method, target, headers)[:-4]
+    return Forward(
+        request=request,
+        host=host,
+        port=port,
+        tls=tls,
+        head=upstream,
+        provider=injected,
+        keep_alive=head.keep_alive,
+        expect_continue=head.expect_continue,
+        empty_body_length=head.method in _METHODS_WITH_BODY,
+    )
+
+
+_HOST_FIELDS: dict[tuple[str, int, bool], bytes] = {}
+
+
+def _host_field(host: str, port: int, tls: bool) -> bytes:
+    """The Host field value for an upstream request (memoized: it is pure)."""
+    key = (host, port, tls)
+    value = _HOST_FIELDS.get(key)
+    if value is None:
+        authority = f"[{host}]" if ":" in host else host
+        if port != (443 if tls else 80):
+            authority = f"{authority}:{port}"
+        value = authority.encode("ascii")
+        if len(_HOST_FIELDS) >= MEMO_SIZE:
+            _HOST_FIELDS.clear()
+        _HOST_FIELDS[key] = value
+    return value
+
+
+# -- the keeper's body ------------------------------------------------------------------------
+
+
+def json_nesting_exceeds(body: bytes, limit: int) -> bool:
+    """True if the JSON text nests arrays/objects deeper than `limit` (strings skipped).
+
+    Checked before any decoder sees the body: a recursive decoder given 1 KiB of "[[[[" raises
+    RecursionError (or worse, exhausts the C stack), and a depth limit is the documented answer
+    (RFC 8259 9: "An implementation may set limits on the maximum depth of nesting").
+    """
+    depth = 0
+    in_string = False
+    escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return False
+
+
+def check_keeper_call(
+    request: Request, action: Action, body: bytes, *, close: bool
+) -> Refuse | None:
+    """The worker's own checks of a keeper call before it is forwarded to applianced, which
+    checks again (defence in depth, docs/keeper.md). None: forward it."""
+    fields: object = None
+    try:
+        if json_nesting_exceeds(body, KEEPER_JSON_DEPTH):
+            raise KeeperRefused(
+                f"the body nests deeper than {KEEPER_JSON_DEPTH} levels", rule="too_deep"
+            )
+        fields = msgspec.json.decode(body)
+        if not isinstance(fields, dict):
+            raise KeeperRefused("the body must be a JSON object", rule="bad_body")
+        check_intent(fields.get("intent"))
+        if action is Action.EXECUTE:
+            parse_command(fields.get("command"))
+    except (KeeperRefused, msgspec.DecodeError, RecursionError) as exc:
+        rule = exc.rule if isinstance(exc, KeeperRefused) else "bad_body"
+        message = (
+            f"keeper: {exc}"
+            if not isinstance(exc, RecursionError)
+            else "keeper: the body nests too deep"
+        )
+        return request.refused(400, rule, message, close=close)
+    return None
+
+
+def keeper_refused_event(
+    request: Request, action: Action, body: bytes, rule: str
+) -> KeeperCallRefused:
+    """The keeper's own record of a call the worker refused (beside the terminal event)."""
+    named: object = None
+    if not json_nesting_exceeds(body, KEEPER_JSON_DEPTH):
+        try:
+            fields = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            fields = None
+        if isinstance(fields, dict):
+            named = fields.get("credential")
+    return KeeperCallRefused(
+        crew=request.crew,
+        action=action.value,
+        credential=named[:64] if isinstance(named, str) else "",
+        rule=rule,
+    )

@@ -1,0 +1,131 @@
+"""What to relay to the agent of an upstream's response, decided without I/O.
+
+Theory of operation: once the upstream's response head has arrived, `plan_response` decides how
+its body travels to the agent and builds the head the agent will see, everything scrubbed (the
+status line's reason, the field names and values: an upstream that echoes a credential anywhere
+must not hand it back). Three body modes:
+
+    NONE    no body (HEAD, 1xx, 204, 304): the upstream's fields are kept as they are
+    WHOLE   a Content-Length body up to `WHOLE_BODY`: read whole, scrubbed in one call, sent
+            with the length of what remains after scrubbing
+    STREAM  anything else: streamed through a scrubber stream, re-framed as chunked for an
+            HTTP/1.1 agent, delimited by the close for an HTTP/1.0 agent
+
+A response the scrubber cannot read (content-encoded although the proxy asked for identity) is
+refused with 502 rather than relayed.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from native.scrub import Scrubber
+from proxycore.protocol import http1
+from proxycore.protocol.exchange import Forward, Refuse
+from proxycore.protocol.scrubbing import scrub_field_lines, unscrubbable_encoding
+
+__all__ = ["WHOLE_BODY", "BodyMode", "ResponsePlan", "plan_response"]
+
+# Response bodies up to this size are read whole before relaying, so they keep a Content-Length
+# after scrubbing; larger ones (and chunked, and SSE) stream through the scrubber.
+WHOLE_BODY = 64 * 1024
+
+_CONTENT_ENCODING_RE = re.compile(rb"(?i)\r\ncontent-encoding[ \t]*:")
+# A response whose body is re-framed drops the upstream's length (and never relays its framing).
+_DROP_LENGTH = http1.compile_drop(http1.HOP_BY_HOP | {b"content-length"})
+
+
+class BodyMode(enum.Enum):
+    NONE = "none"
+    WHOLE = "whole"
+    STREAM = "stream"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsePlan:
+    status: int
+    mode: BodyMode
+    # STREAM to an HTTP/1.1 agent: re-framed as chunked (else the close ends the body).
+    rechunk: bool
+    keep_client: bool
+    # The upstream connection can carry another request once this body is read to its end.
+    reusable: bool
+    start_line: bytes  # "HTTP/1.1 200 OK", scrubbed, without CRLF
+    fields: bytes  # field lines, each led by CRLF, scrubbed, framing not included
+
+    def head(self, content_length: int | None = None) -> bytearray:
+        """The head for the agent; WHOLE passes the length of the scrubbed body."""
+        out = bytearray(self.start_line)
+        out += self.fields
+        if content_length is not None:
+            out += b"\r\ncontent-length: %d" % content_length
+        if self.rechunk:
+            out += b"\r\ntransfer-encoding: chunked"
+        if not self.keep_client:
+            out += b"\r\nconnection: close"
+        out += b"\r\n\r\n"
+        return out
+
+
+def plan_response(
+    forward: Forward,
+    request: http1.RequestHead,
+    response: http1.ResponseHead,
+    scrubber: Scrubber,
+    *,
+    whole_limit: int = WHOLE_BODY,
+) -> ResponsePlan | Refuse:
+    """`whole_limit`: the largest body to read whole (0 when the crew's buffer budget has
+    no room: the body streams instead)."""
+    kind = response.body_kind
+    keep_client = forward.keep_alive
+    if kind is not http1.BodyKind.NONE and _CONTENT_ENCODING_RE.search(response.raw):
+        coding = unscrubbable_encoding(
+            [value for name, value in response.headers if name == b"content-encoding"]
+        )
+        if coding is not None:
+            return forward.request.refused(
+                502,
+                "upstream_failed",
+                f"{forward.host} answered with content-encoding "
+                f"{coding.decode('ascii', 'replace')} although the proxy asked for identity; "
+                "the response cannot be checked for credentials, so it is not relayed",
+                rule="unscrubbable_encoding",
+                close=not keep_client,
+            )
+    if kind is http1.BodyKind.NONE:
+        mode, drop = BodyMode.NONE, http1.RESPONSE_DROP
+    elif kind is http1.BodyKind.LENGTH and response.content_length <= whole_limit:
+        mode, drop = BodyMode.WHOLE, _DROP_LENGTH
+    else:
+        mode, drop = BodyMode.STREAM, _DROP_LENGTH
+    rechunk = False
+    if mode is BodyMode.STREAM:
+        if request.http_version == b"1.1":
+            rechunk = True
+        else:
+            keep_client = False  # an HTTP/1.0 agent learns the end from the close
+    fields = http1.relay_fields(response, drop)
+    if fields is not None:
+        scrubbed_fields = scrub_field_lines(scrubber, fields)
+    else:
+        lines = bytearray()
+        for name, value in http1.strip_hop_by_hop(response.headers):
+            if drop is _DROP_LENGTH and name == b"content-length":
+                continue
+            if scrubber.scrub(name) != name:
+                continue  # a secret in a field name: the field is dropped, never mangled
+            lines += b"\r\n%s: %s" % (name, scrubber.scrub(value))
+        scrubbed_fields = bytes(lines)
+    reason = scrubber.scrub(response.reason)
+    return ResponsePlan(
+        status=response.status,
+        mode=mode,
+        rechunk=rechunk,
+        keep_client=keep_client,
+        reusable=response.keep_alive and kind is not http1.BodyKind.UNTIL_CLOSE,
+        start_line=b"HTTP/1.1 %d %s" % (response.status, reason),
+        fields=scrubbed_fields,
+    )
