@@ -35,12 +35,12 @@ from proxycore.protocol.credentials import (
     Credential,
     Provider,
     ProviderRoute,
+    Routes,
     load_credential,
     route_for,
 )
 from proxycore.protocol.events import AllowlistChanged, PolicyWarning
-from proxycore.protocol.exchange import CrewPolicy, Routes
-from proxycore.protocol.policy import normalize_host, parse_mode
+from proxycore.protocol.policy import CrewPolicy, normalize_host, parse_mode
 from proxycore.protocol.scrubbing import ScrubberHolder, configured_shapes
 from proxycore.protocol.ssrf import AddressGuard
 

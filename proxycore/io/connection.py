@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import socket
 import time
 import traceback
 from typing import TYPE_CHECKING
@@ -37,31 +36,30 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
-from proxycore.io import tunnel
+from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import ByteStream, PlainStream
 from proxycore.io.forward import serve_forward
-from proxycore.io.keeper_client import KeeperUnavailable, forward_to_keeper
-from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused, upstream_refusal
+from proxycore.io.keeper_client import serve_keeper
+from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
+from proxycore.io.tunnel import serve_tunnel
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.protocol import http1
-from proxycore.protocol.events import Event, TunnelClosed, TunnelOpened
+from proxycore.protocol.events import Event
 from proxycore.protocol.exchange import (
     DRAIN_LIMIT,
-    KEEPER_BODY_BYTES,
+    close_after_refusal,
+    plan_request,
+    refuse_unparsed,
+)
+from proxycore.protocol.plans import (
     Forward,
     OpenTunnel,
     Refuse,
     Request,
     ServeKeeper,
     ServeLocal,
-    check_keeper_call,
-    close_after_refusal,
-    keeper_refused_event,
-    plan_request,
-    refuse_unparsed,
 )
-from proxycore.protocol.refusals import Refusal, json_response, refusal
+from proxycore.protocol.refusals import Refusal, refusal
 
 if TYPE_CHECKING:
     from proxycore.runtime import CrewState, ProxyRuntime
@@ -248,9 +246,9 @@ class ClientConnection:
             self.emit_allowed(status=200)
             return plan.keep_alive
         if isinstance(plan, ServeKeeper):
-            return await self._serve_keeper(plan, head)
+            return await serve_keeper(self, plan, head)
         assert isinstance(plan, OpenTunnel)
-        await self._serve_tunnel(plan)
+        await serve_tunnel(self, plan)
         return False
 
     # -- terminal events ----------------------------------------------------------------------
@@ -442,127 +440,6 @@ class ClientConnection:
         if self.progress is not None:
             return self.progress.request
         return Request(self.crew.name, self.crew.mode)
-
-    # -- the keeper ---------------------------------------------------------------------------
-
-    async def _serve_keeper(self, plan: ServeKeeper, head: http1.RequestHead) -> bool:
-        """`POST /keeper/request|execute`: checked here, decided by applianced (docs/keeper.md).
-
-        The crew is this connection's (its gateway), whatever the body says. The answer is not
-        scrubbed here: a granted `request` must deliver the value, and applianced has already
-        scrubbed an `execute`'s output.
-        """
-        close = not plan.keep_alive
-        body = b""
-        if head.body_kind is not http1.BodyKind.NONE:
-            reader = http1.BodyReader.for_request(head, self.runtime.http_limits)
-            body = await self.read_body(reader, KEEPER_BODY_BYTES)
-        refused = check_keeper_call(plan.request, plan.action, body, close=close)
-        if refused is not None:
-            self.emit(keeper_refused_event(plan.request, plan.action, body, refused.event.rule))
-            raise Refused(refused)
-        channel = self.runtime.keeper_channel
-        if channel is None:
-            raise Refused(
-                plan.request.refused(
-                    503, "keeper_unavailable", "the keeper is not connected yet", close=close
-                )
-            )
-        # The read deadline of the body must not cut the decision short (a model round-trip and
-        # an execute's 120 s): forward_to_keeper bounds the wait itself, and answers 503.
-        self.phase = Phase.UPSTREAM
-        self.deadline = math.inf
-        try:
-            status, answer = await forward_to_keeper(
-                channel.path, channel.token, plan.action.value, self.crew.name, body
-            )
-        except KeeperUnavailable as exc:
-            raise Refused(
-                plan.request.refused(503, "keeper_unavailable", str(exc), close=close)
-            ) from None
-        self.response_started = True
-        await self.stream.send_all(json_response(status, answer, close=close))
-        self.emit_allowed(status=status)
-        return not close
-
-    # -- tunnels ------------------------------------------------------------------------------
-
-    async def _serve_tunnel(self, plan: OpenTunnel) -> None:
-        runtime, crew = self.runtime, self.crew
-        request = plan.request
-        dialer = runtime.dialer
-        host, port = plan.host, plan.port
-        try:
-            addresses = await dialer.resolve(host, port, crew.lookups, crew.guard)
-            upstreams = dialer.reserve(crew.name)
-        except PolicyDenied as exc:
-            raise Refused(request.denied(exc.rule, str(exc), close=True)) from None
-        except UpstreamError as exc:
-            raise Refused(upstream_refusal(request, exc, close=True)) from None
-        try:
-            try:
-                sock = await dialer.connect_checked(addresses, port, host)
-            except UpstreamError as exc:
-                raise Refused(upstream_refusal(request, exc, close=True)) from None
-            try:
-                await self._relay_tunnel(plan, sock)
-            finally:
-                trio.lowlevel.notify_closing(sock)
-                sock.close()
-        finally:
-            upstreams.open -= 1
-
-    async def _relay_tunnel(self, plan: OpenTunnel, sock: socket.socket) -> None:
-        runtime, crew = self.runtime, self.crew
-        runtime.tunnel_ids += 1
-        tunnel_id = runtime.tunnel_ids
-        address = str(sock.getpeername()[0])
-        assert self.progress is not None
-        self.progress.address = address
-        self.progress.body_consumed = True
-        self.emit_allowed(status=200)
-        self.emit(
-            TunnelOpened(
-                crew=crew.name,
-                tunnel_id=tunnel_id,
-                host=plan.host,
-                port=plan.port,
-                address=address,
-            )
-        )
-        started = time.monotonic()
-        stats = tunnel.TunnelStats(reason="error")
-        try:
-            self.response_started = True
-            await self.stream.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
-            prefix = bytes(self.buffer)
-            self.buffer.clear()
-            # The tunnel has its own idle deadline; lift the connection's.
-            self.phase = Phase.RELAY
-            self.deadline = math.inf
-            stats = await tunnel.relay(
-                self.stream.sock,
-                sock,
-                client_prefix=prefix,
-                idle_timeout=self.limits.tunnel_idle_timeout,
-            )
-        except trio.BrokenResourceError as exc:
-            stats.reason = "agent_reset: " + _cause(exc)
-        finally:
-            if self.ended_by is not None:
-                stats.reason = self.ended_by
-            self.emit(
-                TunnelClosed(
-                    crew=crew.name,
-                    tunnel_id=tunnel_id,
-                    host=plan.host,
-                    port=plan.port,
-                    bytes_up=stats.bytes_up,
-                    bytes_down=stats.bytes_down,
-                    duration=round(time.monotonic() - started, 6),
-                    reason=stats.reason,
-                )
-            )
 
 
 def _request_of(plan: Refuse, crew: CrewState) -> Request:

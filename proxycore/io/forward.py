@@ -30,7 +30,8 @@ from proxycore.io.progress import RECV_SIZE, Phase, Refused, upstream_refusal
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.protocol import http1
 from proxycore.protocol.events import CredentialInjected
-from proxycore.protocol.exchange import REPLAYABLE_BODY, Forward, Refuse
+from proxycore.protocol.exchange import REPLAYABLE_BODY
+from proxycore.protocol.plans import Forward, Refuse
 from proxycore.protocol.responses import WHOLE_BODY, BodyMode, ResponsePlan, plan_response
 
 if TYPE_CHECKING:

@@ -1,4 +1,7 @@
-"""The proxy worker's side of the keeper channel: forward one keeper call to applianced.
+"""The proxy worker's side of the keeper: serve a crew's keeper call, forward it to applianced.
+
+`serve_keeper` runs a `ServeKeeper` plan on an agent connection: it reads the body (bounded),
+lets the exchange check it (proxycore/protocol/exchange.py `check_keeper_call`), and forwards it.
 
 One Unix-socket connection per call (`Connection: close`), one HTTP/1.1 exchange through h11,
 everything under one deadline. applianced authenticates the connection by SO_PEERCRED and the
@@ -10,10 +13,22 @@ command runs (fail closed).
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import h11
 import trio
 
 from proxycore.errors import ProxyError
+from proxycore.io.progress import Phase, Refused
+from proxycore.protocol import http1
+from proxycore.protocol.exchange import check_keeper_call, keeper_refused_event
+from proxycore.protocol.keeper import KEEPER_BODY_BYTES
+from proxycore.protocol.plans import ServeKeeper
+from proxycore.protocol.refusals import json_response
+
+if TYPE_CHECKING:
+    from proxycore.io.connection import ClientConnection
 
 # An execute may run for its 120 s limit after the model's answer: the worker waits longer.
 FORWARD_TIMEOUT_SECONDS = 180.0
@@ -79,3 +94,44 @@ async def forward_to_keeper(
     if status == 0:
         raise KeeperUnavailable("the keeper closed the connection without an answer")
     return status, bytes(answer)
+
+
+async def serve_keeper(conn: ClientConnection, plan: ServeKeeper, head: http1.RequestHead) -> bool:
+    """`POST /keeper/request|execute`: checked here, decided by applianced (docs/keeper.md).
+
+    The crew is this connection's (its gateway), whatever the body says. The answer is not
+    scrubbed here: a granted `request` must deliver the value, and applianced has already
+    scrubbed an `execute`'s output.
+    """
+    close = not plan.keep_alive
+    body = b""
+    if head.body_kind is not http1.BodyKind.NONE:
+        reader = http1.BodyReader.for_request(head, conn.runtime.http_limits)
+        body = await conn.read_body(reader, KEEPER_BODY_BYTES)
+    refused = check_keeper_call(plan.request, plan.action, body, close=close)
+    if refused is not None:
+        conn.emit(keeper_refused_event(plan.request, plan.action, body, refused.event.rule))
+        raise Refused(refused)
+    channel = conn.runtime.keeper_channel
+    if channel is None:
+        raise Refused(
+            plan.request.refused(
+                503, "keeper_unavailable", "the keeper is not connected yet", close=close
+            )
+        )
+    # The read deadline of the body must not cut the decision short (a model round-trip and
+    # an execute's 120 s): forward_to_keeper bounds the wait itself, and answers 503.
+    conn.phase = Phase.UPSTREAM
+    conn.deadline = math.inf
+    try:
+        status, answer = await forward_to_keeper(
+            channel.path, channel.token, plan.action.value, conn.crew.name, body
+        )
+    except KeeperUnavailable as exc:
+        raise Refused(
+            plan.request.refused(503, "keeper_unavailable", str(exc), close=close)
+        ) from None
+    conn.response_started = True
+    await conn.stream.send_all(json_response(status, answer, close=close))
+    conn.emit_allowed(status=status)
+    return not close

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 
 from proxycore.errors import UpstreamError
-from proxycore.protocol.exchange import Refuse, Request
+from proxycore.protocol.plans import Refuse, Request
 
 RECV_SIZE = 65536
 

@@ -1,4 +1,8 @@
-"""Opaque CONNECT tunnels: relay bytes both ways with half-close, an idle timeout and counts.
+"""CONNECT tunnels: open one for an agent, and relay its opaque bytes both ways.
+
+`serve_tunnel` runs an `OpenTunnel` plan on an agent connection: resolve, check every address,
+dial within the crew's share of upstream connections, answer 200, relay, and record the tunnel
+(`tunnel_opened` and, whatever ends it, `tunnel_closed` with its counts and cause).
 
 Theory of operation: a tunnel carries TLS the proxy cannot read and must not touch, so each
 direction moves bytes kernel-to-kernel with `splice(2)` through a pipe (socket -> pipe -> socket)
@@ -13,11 +17,22 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import socket
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
+
+from proxycore.errors import PolicyDenied, UpstreamError
+from proxycore.io.progress import Phase, Refused, upstream_refusal
+from proxycore.protocol.events import TunnelClosed, TunnelOpened
+from proxycore.protocol.plans import OpenTunnel
+
+if TYPE_CHECKING:
+    from proxycore.io.connection import ClientConnection
 
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ / F_GETPIPE_SZ, missing from older Python builds
 _F_GETPIPE_SZ = 1032
@@ -220,3 +235,85 @@ async def _send_all(sock: socket.socket, data: bytes | memoryview, side: str) ->
         except OSError as exc:
             raise _SideFailed(side, exc) from None
         view = view[sent:]
+
+
+# -- the CONNECT exchange -----------------------------------------------------------------------
+
+
+async def serve_tunnel(conn: ClientConnection, plan: OpenTunnel) -> None:
+    runtime, crew = conn.runtime, conn.crew
+    request = plan.request
+    dialer = runtime.dialer
+    host, port = plan.host, plan.port
+    try:
+        addresses = await dialer.resolve(host, port, crew.lookups, crew.guard)
+        upstreams = dialer.reserve(crew.name)
+    except PolicyDenied as exc:
+        raise Refused(request.denied(exc.rule, str(exc), close=True)) from None
+    except UpstreamError as exc:
+        raise Refused(upstream_refusal(request, exc, close=True)) from None
+    try:
+        try:
+            sock = await dialer.connect_checked(addresses, port, host)
+        except UpstreamError as exc:
+            raise Refused(upstream_refusal(request, exc, close=True)) from None
+        try:
+            await _relay_tunnel(conn, plan, sock)
+        finally:
+            trio.lowlevel.notify_closing(sock)
+            sock.close()
+    finally:
+        upstreams.open -= 1
+
+
+async def _relay_tunnel(conn: ClientConnection, plan: OpenTunnel, sock: socket.socket) -> None:
+    runtime, crew = conn.runtime, conn.crew
+    runtime.tunnel_ids += 1
+    tunnel_id = runtime.tunnel_ids
+    address = str(sock.getpeername()[0])
+    assert conn.progress is not None
+    conn.progress.address = address
+    conn.progress.body_consumed = True
+    conn.emit_allowed(status=200)
+    conn.emit(
+        TunnelOpened(
+            crew=crew.name,
+            tunnel_id=tunnel_id,
+            host=plan.host,
+            port=plan.port,
+            address=address,
+        )
+    )
+    started = time.monotonic()
+    stats = TunnelStats(reason="error")
+    try:
+        conn.response_started = True
+        await conn.stream.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        prefix = bytes(conn.buffer)
+        conn.buffer.clear()
+        # The tunnel has its own idle deadline; lift the connection's.
+        conn.phase = Phase.RELAY
+        conn.deadline = math.inf
+        stats = await relay(
+            conn.stream.sock,
+            sock,
+            client_prefix=prefix,
+            idle_timeout=conn.limits.tunnel_idle_timeout,
+        )
+    except trio.BrokenResourceError as exc:
+        stats.reason = f"agent_reset: {exc}"
+    finally:
+        if conn.ended_by is not None:
+            stats.reason = conn.ended_by
+        conn.emit(
+            TunnelClosed(
+                crew=crew.name,
+                tunnel_id=tunnel_id,
+                host=plan.host,
+                port=plan.port,
+                bytes_up=stats.bytes_up,
+                bytes_down=stats.bytes_down,
+                duration=round(time.monotonic() - started, 6),
+                reason=stats.reason,
+            )
+        )

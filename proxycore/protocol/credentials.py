@@ -23,10 +23,11 @@ follows the redirect as a new request, which gets injection only if it again mat
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,3 +155,19 @@ def _replace_query_key(target: bytes, key: str | None) -> bytes:
     if key is not None:
         kept.append(b"key=" + urllib.parse.quote(key, safe="").encode("ascii"))
     return path + (b"?" + b"&".join(kept) if kept else b"")
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """The provider routes (by path segment and by exact host) and the store's credentials."""
+
+    by_name: Mapping[bytes, ProviderRoute]
+    by_host: Mapping[str, ProviderRoute]
+    # crew name -> provider -> credential (applianced's store); precedes the route's own.
+    crew_credentials: Mapping[str, Mapping[Provider, Credential]]
+
+    def for_crew(self, route: ProviderRoute, crew: str) -> ProviderRoute:
+        credential = self.crew_credentials.get(crew, {}).get(route.provider)
+        if credential is None:
+            return route
+        return dataclasses.replace(route, credential=credential)

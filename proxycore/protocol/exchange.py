@@ -28,54 +28,40 @@ exact allowlist); the declared body size; then the adapter resolves and the SSRF
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 import msgspec
 
 from proxycore.errors import PolicyDenied
 from proxycore.protocol import http1
-from proxycore.protocol.credentials import (
-    Credential,
-    Provider,
-    ProviderRoute,
-    rewrite_for_provider,
+from proxycore.protocol.credentials import Provider, ProviderRoute, Routes, rewrite_for_provider
+from proxycore.protocol.events import KeeperCallRefused
+from proxycore.protocol.keeper import (
+    KEEPER_BODY_BYTES,
+    KEEPER_JSON_DEPTH,
+    Action,
+    KeeperRefused,
+    check_intent,
+    json_nesting_exceeds,
+    parse_command,
 )
-from proxycore.protocol.events import (
-    KeeperCallRefused,
-    RequestAllowed,
-    RequestDenied,
-    RequestErrored,
-    RequestRefused,
+from proxycore.protocol.plans import (
+    Forward,
+    OpenTunnel,
+    Plan,
+    Refuse,
+    Request,
+    ServeKeeper,
+    ServeLocal,
 )
-from proxycore.protocol.keeper import Action, KeeperRefused, check_intent, parse_command
-from proxycore.protocol.policy import (
-    Allowlist,
-    EgressDecision,
-    NetworkMode,
-    decide_egress,
-    parse_authority,
-)
-from proxycore.protocol.refusals import Refusal, local_json, refusal
+from proxycore.protocol.policy import CrewPolicy, parse_authority
+from proxycore.protocol.refusals import local_json
 from proxycore.protocol.scrubbing import IDENTITY
 
 __all__ = [
     "AUDIT_UNAVAILABLE",
     "DRAIN_LIMIT",
-    "KEEPER_BODY_BYTES",
-    "KEEPER_JSON_DEPTH",
     "REPLAYABLE_BODY",
-    "CrewPolicy",
-    "Forward",
-    "OpenTunnel",
-    "Plan",
-    "Refuse",
-    "Request",
-    "Routes",
-    "ServeKeeper",
-    "ServeLocal",
     "check_keeper_call",
     "close_after_refusal",
     "keeper_refused_event",
@@ -93,10 +79,6 @@ DRAIN_LIMIT = 64 * 1024
 LOCAL_PATHS = (b"/_appliance/health", b"/healthz")
 # The keeper's routes of the local API (docs/keeper.md), forwarded to applianced.
 KEEPER_PATHS = {b"/keeper/request": Action.REQUEST, b"/keeper/execute": Action.EXECUTE}
-KEEPER_BODY_BYTES = 16 * 1024
-# The keeper's body is a flat object of strings; 32 levels is far beyond any honest one and far
-# below what a recursive decoder survives (msgspec raises RecursionError past a few hundred).
-KEEPER_JSON_DEPTH = 32
 AUDIT_UNAVAILABLE = "audit_unavailable"  # the rule named when the journal is behind
 MEMO_SIZE = 4096
 
@@ -113,234 +95,6 @@ _WHY_DENIED = {
     "not_in_allowlist": "{host} is not on the allowlist of crew {crew}",
     "ip_shorthand": "{host} is a numeric shorthand for an address; refused",
 }
-
-
-# -- the crew's side of a decision ----------------------------------------------------------
-
-
-@dataclass(slots=True, eq=False)
-class CrewPolicy:
-    """A crew's name policy: its mode, its exact allowlist, and a memo of decisions.
-
-    The memo is cleared whenever the allowlist changes (a crew's mode never does), so a cached
-    decision is always the current one. Bounded: cleared whole at `MEMO_SIZE` entries.
-    """
-
-    name: str
-    mode: NetworkMode
-    allowlist: Allowlist
-    decisions: dict[tuple[str, int], EgressDecision] = dataclasses.field(default_factory=dict)
-
-    def decide(self, host: str, port: int) -> EgressDecision:
-        key = (host, port)
-        decision = self.decisions.get(key)
-        if decision is None:
-            if len(self.decisions) >= MEMO_SIZE:
-                self.decisions.clear()
-            decision = self.decisions[key] = decide_egress(self.mode, self.allowlist, host, port)
-        return decision
-
-    def allow(self, host: str) -> bool:
-        added = self.allowlist.add(host)
-        self.decisions.clear()
-        return added
-
-
-@dataclass(frozen=True, slots=True)
-class Routes:
-    """The provider routes (by path segment and by exact host) and the store's credentials."""
-
-    by_name: Mapping[bytes, ProviderRoute]
-    by_host: Mapping[str, ProviderRoute]
-    # crew name -> provider -> credential (applianced's store); precedes the route's own.
-    crew_credentials: Mapping[str, Mapping[Provider, Credential]]
-
-    def for_crew(self, route: ProviderRoute, crew: str) -> ProviderRoute:
-        credential = self.crew_credentials.get(crew, {}).get(route.provider)
-        if credential is None:
-            return route
-        return dataclasses.replace(route, credential=credential)
-
-
-# -- the request's identity and its terminal event -----------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """Who asked for what: enough to write the request's one terminal event.
-
-    `route` is "forward", "reverse", "tunnel", "local", "keeper", or "" while the request is not
-    read far enough to know ("connection" for a connection refused before any byte is read).
-    """
-
-    crew: str
-    mode: str
-    route: str = ""
-    method: str = ""
-    host: str = ""
-    port: int = 0
-
-    def allowed(
-        self,
-        *,
-        address: str,
-        rule: str,
-        status: int,
-        bytes_up: int = 0,
-        bytes_down: int = 0,
-        duration: float = 0.0,
-        ended: str = "complete",
-    ) -> RequestAllowed:
-        return RequestAllowed(
-            crew=self.crew,
-            mode=self.mode,
-            route=self.route,
-            method=self.method,
-            host=self.host,
-            port=self.port,
-            address=address,
-            rule=rule,
-            status=status,
-            bytes_up=bytes_up,
-            bytes_down=bytes_down,
-            duration=round(duration, 6),
-            complete=ended == "complete",
-            ended=ended,
-        )
-
-    def denied(self, rule: str, message: str, *, close: bool) -> Refuse:
-        """The name policy or the SSRF guard said no: 403."""
-        body = Refusal(
-            error="egress_denied",
-            message=message,
-            host=self.host,
-            rule=rule,
-            mode=self.mode,
-            crew=self.crew,
-        )
-        event = RequestDenied(
-            crew=self.crew,
-            mode=self.mode,
-            route=self.route,
-            method=self.method,
-            host=self.host,
-            port=self.port,
-            rule=rule,
-            status=403,
-        )
-        return Refuse(403, body, close, event)
-
-    def refused(
-        self, status: int, error: str, message: str, *, rule: str | None = None, close: bool
-    ) -> Refuse:
-        """The proxy answers with its own error (bad input, limits, a failed upstream)."""
-        body = Refusal(
-            error=error,
-            message=message,
-            host=self.host or None,
-            rule=rule,
-            mode=self.mode if rule is not None else None,
-            crew=self.crew,
-        )
-        event = RequestRefused(
-            crew=self.crew,
-            mode=self.mode,
-            route=self.route,
-            method=self.method,
-            host=self.host,
-            port=self.port,
-            rule=rule or error,
-            status=status,
-            message=message[:300],
-        )
-        return Refuse(status, body, close, event)
-
-    def errored(self, cause: str, status: int) -> RequestErrored:
-        return RequestErrored(
-            crew=self.crew,
-            route=self.route,
-            method=self.method,
-            host=self.host,
-            port=self.port,
-            cause=cause[:300],
-            status=status,
-        )
-
-    def with_target(self, route: str, host: str, port: int) -> Request:
-        return dataclasses.replace(self, route=route, host=host, port=port)
-
-
-# -- plans ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """Answer `status` with `body` (JSON), record `event`; `close` ends the connection after."""
-
-    status: int
-    body: Refusal
-    close: bool
-    event: RequestDenied | RequestRefused
-
-    def response(self) -> bytes:
-        return refusal(self.status, self.body, close=self.close)
-
-
-@dataclass(frozen=True, slots=True)
-class ServeLocal:
-    request: Request
-    response: bytes
-    keep_alive: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ServeKeeper:
-    request: Request
-    action: Action
-    keep_alive: bool
-
-
-@dataclass(frozen=True, slots=True)
-class OpenTunnel:
-    request: Request
-    host: str
-    port: int
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    """Send the request to (host, port); `head` is the upstream request head up to and
-    excluding the framing field and the blank line (see `upstream_head`)."""
-
-    request: Request
-    host: str
-    port: int
-    tls: bool
-    head: bytes
-    # The provider whose credential was injected into `head`, if any.
-    provider: Provider | None
-    keep_alive: bool
-    expect_continue: bool
-    # POST, PUT and PATCH without a body are sent with "content-length: 0".
-    empty_body_length: bool
-
-    @property
-    def rule(self) -> str:
-        return "provider" if self.provider is not None else "policy"
-
-    def upstream_head(self, length: int | None, *, chunked: bool = False) -> bytes:
-        """The head with its framing: a length, chunked, or none (no body)."""
-        if chunked:
-            return self.head + b"\r\ntransfer-encoding: chunked\r\n\r\n"
-        if length is None:
-            if self.empty_body_length:
-                return self.head + b"\r\ncontent-length: 0\r\n\r\n"
-            return self.head + b"\r\n\r\n"
-        return self.head + b"\r\ncontent-length: %d\r\n\r\n" % length
-
-
-Plan = Refuse | ServeLocal | ServeKeeper | OpenTunnel | Forward
-
 
 # -- deciding ---------------------------------------------------------------------------------
 
@@ -636,36 +390,7 @@ def _host_field(host: str, port: int, tls: bool) -> bytes:
     return value
 
 
-# -- the keeper's body ------------------------------------------------------------------------
-
-
-def json_nesting_exceeds(body: bytes, limit: int) -> bool:
-    """True if the JSON text nests arrays/objects deeper than `limit` (strings skipped).
-
-    Checked before any decoder sees the body: a recursive decoder given 1 KiB of "[[[[" raises
-    RecursionError (or worse, exhausts the C stack), and a depth limit is the documented answer
-    (RFC 8259 9: "An implementation may set limits on the maximum depth of nesting").
-    """
-    depth = 0
-    in_string = False
-    escaped = False
-    for byte in body:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            if depth > limit:
-                return True
-        elif byte in (0x5D, 0x7D):  # ] }
-            depth -= 1
-    return False
+# -- the keeper's routes -----------------------------------------------------------------------
 
 
 def check_keeper_call(

@@ -228,3 +228,40 @@ def parse_command(command: object) -> tuple[str, ...]:
     if not argv:
         raise KeeperRefused("command is empty", rule=RULE_EMPTY_COMMAND)
     return tuple(argv)
+
+
+# -- a keeper call's body, as the proxy worker checks it ----------------------------------------
+
+KEEPER_BODY_BYTES = 16 * 1024
+# The keeper's body is a flat object of strings; 32 levels is far beyond any honest one and far
+# below what a recursive decoder survives (msgspec raises RecursionError past a few hundred).
+KEEPER_JSON_DEPTH = 32
+
+
+def json_nesting_exceeds(body: bytes, limit: int) -> bool:
+    """True if the JSON text nests arrays/objects deeper than `limit` (strings skipped).
+
+    Checked before any decoder sees the body: a recursive decoder given 1 KiB of "[[[[" raises
+    RecursionError (or worse, exhausts the C stack), and a depth limit is the documented answer
+    (RFC 8259 9: "An implementation may set limits on the maximum depth of nesting").
+    """
+    depth = 0
+    in_string = False
+    escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return False

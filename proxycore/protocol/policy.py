@@ -33,7 +33,7 @@ import enum
 import ipaddress
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxycore.errors import PolicyDenied
 
@@ -46,6 +46,7 @@ __all__ = [
     "RULE_MODE_NONE",
     "RULE_NOT_IN_ALLOWLIST",
     "Allowlist",
+    "CrewPolicy",
     "EgressDecision",
     "NetworkMode",
     "decide_egress",
@@ -447,3 +448,35 @@ def decide_egress(
         return EgressDecision(False, host, port, RULE_NOT_IN_ALLOWLIST, mode)
     # NONE, and (fail closed) anything that is not a known mode.
     return EgressDecision(False, host, port, RULE_MODE_NONE, mode)
+
+
+# A crew's decisions are memoized; bounded, cleared whole when full.
+MEMO_SIZE = 4096
+
+
+@dataclass(slots=True, eq=False)
+class CrewPolicy:
+    """A crew's name policy: its mode, its exact allowlist, and a memo of decisions.
+
+    The memo is cleared whenever the allowlist changes (a crew's mode never does), so a cached
+    decision is always the current one. Bounded: cleared whole at `MEMO_SIZE` entries.
+    """
+
+    name: str
+    mode: NetworkMode
+    allowlist: Allowlist
+    decisions: dict[tuple[str, int], EgressDecision] = field(default_factory=dict)
+
+    def decide(self, host: str, port: int) -> EgressDecision:
+        key = (host, port)
+        decision = self.decisions.get(key)
+        if decision is None:
+            if len(self.decisions) >= MEMO_SIZE:
+                self.decisions.clear()
+            decision = self.decisions[key] = decide_egress(self.mode, self.allowlist, host, port)
+        return decision
+
+    def allow(self, host: str) -> bool:
+        added = self.allowlist.add(host)
+        self.decisions.clear()
+        return added

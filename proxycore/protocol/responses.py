@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from native.scrub import Scrubber
 from proxycore.protocol import http1
-from proxycore.protocol.exchange import Forward, Refuse
+from proxycore.protocol.plans import Forward, Refuse
 from proxycore.protocol.scrubbing import scrub_field_lines, unscrubbable_encoding
 
 __all__ = ["WHOLE_BODY", "BodyMode", "ResponsePlan", "plan_response"]

@@ -1,0 +1,196 @@
+"""What the exchange decides: a request's identity, the plans, and each request's terminal event.
+
+These are the commands of the data plane (proxycore/protocol/exchange.py returns them, the
+connection adapter in proxycore/io/ carries them out). `Request` builds the one terminal event
+of a request (allowed, denied, refused or errored: proxycore/protocol/events.py), so an adapter
+never composes an event of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from proxycore.protocol.credentials import Provider
+from proxycore.protocol.events import RequestAllowed, RequestDenied, RequestErrored, RequestRefused
+from proxycore.protocol.keeper import Action
+from proxycore.protocol.refusals import Refusal, refusal
+
+__all__ = ["Forward", "OpenTunnel", "Plan", "Refuse", "Request", "ServeKeeper", "ServeLocal"]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """Who asked for what: enough to write the request's one terminal event.
+
+    `route` is "forward", "reverse", "tunnel", "local", "keeper", or "" while the request is not
+    read far enough to know ("connection" for a connection refused before any byte is read).
+    """
+
+    crew: str
+    mode: str
+    route: str = ""
+    method: str = ""
+    host: str = ""
+    port: int = 0
+
+    def allowed(
+        self,
+        *,
+        address: str,
+        rule: str,
+        status: int,
+        bytes_up: int = 0,
+        bytes_down: int = 0,
+        duration: float = 0.0,
+        ended: str = "complete",
+    ) -> RequestAllowed:
+        return RequestAllowed(
+            crew=self.crew,
+            mode=self.mode,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            address=address,
+            rule=rule,
+            status=status,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            duration=round(duration, 6),
+            complete=ended == "complete",
+            ended=ended,
+        )
+
+    def denied(self, rule: str, message: str, *, close: bool) -> Refuse:
+        """The name policy or the SSRF guard said no: 403."""
+        body = Refusal(
+            error="egress_denied",
+            message=message,
+            host=self.host,
+            rule=rule,
+            mode=self.mode,
+            crew=self.crew,
+        )
+        event = RequestDenied(
+            crew=self.crew,
+            mode=self.mode,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            rule=rule,
+            status=403,
+        )
+        return Refuse(403, body, close, event)
+
+    def refused(
+        self, status: int, error: str, message: str, *, rule: str | None = None, close: bool
+    ) -> Refuse:
+        """The proxy answers with its own error (bad input, limits, a failed upstream)."""
+        body = Refusal(
+            error=error,
+            message=message,
+            host=self.host or None,
+            rule=rule,
+            mode=self.mode if rule is not None else None,
+            crew=self.crew,
+        )
+        event = RequestRefused(
+            crew=self.crew,
+            mode=self.mode,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            rule=rule or error,
+            status=status,
+            message=message[:300],
+        )
+        return Refuse(status, body, close, event)
+
+    def errored(self, cause: str, status: int) -> RequestErrored:
+        return RequestErrored(
+            crew=self.crew,
+            route=self.route,
+            method=self.method,
+            host=self.host,
+            port=self.port,
+            cause=cause[:300],
+            status=status,
+        )
+
+    def with_target(self, route: str, host: str, port: int) -> Request:
+        return dataclasses.replace(self, route=route, host=host, port=port)
+
+
+# -- plans ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer `status` with `body` (JSON), record `event`; `close` ends the connection after."""
+
+    status: int
+    body: Refusal
+    close: bool
+    event: RequestDenied | RequestRefused
+
+    def response(self) -> bytes:
+        return refusal(self.status, self.body, close=self.close)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLocal:
+    request: Request
+    response: bytes
+    keep_alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServeKeeper:
+    request: Request
+    action: Action
+    keep_alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTunnel:
+    request: Request
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send the request to (host, port); `head` is the upstream request head up to and
+    excluding the framing field and the blank line (see `upstream_head`)."""
+
+    request: Request
+    host: str
+    port: int
+    tls: bool
+    head: bytes
+    # The provider whose credential was injected into `head`, if any.
+    provider: Provider | None
+    keep_alive: bool
+    expect_continue: bool
+    # POST, PUT and PATCH without a body are sent with "content-length: 0".
+    empty_body_length: bool
+
+    @property
+    def rule(self) -> str:
+        return "provider" if self.provider is not None else "policy"
+
+    def upstream_head(self, length: int | None, *, chunked: bool = False) -> bytes:
+        """The head with its framing: a length, chunked, or none (no body)."""
+        if chunked:
+            return self.head + b"\r\ntransfer-encoding: chunked\r\n\r\n"
+        if length is None:
+            if self.empty_body_length:
+                return self.head + b"\r\ncontent-length: 0\r\n\r\n"
+            return self.head + b"\r\n\r\n"
+        return self.head + b"\r\ncontent-length: %d\r\n\r\n" % length
+
+
+Plan = Refuse | ServeLocal | ServeKeeper | OpenTunnel | Forward
