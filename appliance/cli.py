@@ -478,9 +478,32 @@ def cmd_status(args: argparse.Namespace, out: _Output) -> int:
         f"{status['proxy_port']}, restarts {status['proxy_restarts']}",
         f"crews: {status['crews']} ({status['crews_ready']} ready)",
     ]
+    lines += [_worker_line(worker) for worker in status.get("proxy_workers") or ()]
     lines += [f"reconciled at start: {change}" for change in status["reconcile"]]
     out.result("\n".join(lines), {"ok": True, **status})
     return EXIT_OK
+
+
+def _worker_line(worker: dict[str, Any]) -> str:
+    """One proxy worker for `status`: pid and uid (or when it restarts), restarts, last exit."""
+    import time
+
+    def clock(ts: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+    if worker.get("restart_at") is not None:
+        left = max(0.0, worker["restart_at"] - time.time())
+        state = f"down, restarts in {left:.1f} s (backoff {worker.get('backoff') or 0:.1f} s)"
+    elif worker.get("pid") is not None:
+        state = f"pid {worker['pid']}, uid {worker.get('uid')}"
+    else:
+        state = "starting"
+    line = f"  worker {worker['index']}: {state}, restarts {worker['restarts']}"
+    if worker.get("last_exit"):
+        line += f"; last exit {clock(worker['last_exit_time'])}: {worker['last_exit']}"
+        if worker.get("last_stderr"):
+            line += f" (stderr: {worker['last_stderr']})"
+    return line
 
 
 def cmd_doctor(args: argparse.Namespace, out: _Output) -> int:
