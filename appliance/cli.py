@@ -493,7 +493,7 @@ def _worker_line(worker: dict[str, Any]) -> str:
 
     if worker.get("restart_at") is not None:
         left = max(0.0, worker["restart_at"] - time.time())
-        state = f"down, restarts in {left:.1f} s (backoff {worker.get('backoff') or 0:.1f} s)"
+        state = f"down, back in {left:.1f} s (backoff {worker.get('backoff') or 0:.1f} s)"
     elif worker.get("pid") is not None:
         state = f"pid {worker['pid']}, uid {worker.get('uid')}"
     else:
@@ -537,7 +537,7 @@ def _crew_details(crew: dict[str, Any]) -> str:
         f"name:     {crew['name']}",
         f"phase:    {crew['phase']}" + (f" ({crew['error']})" if crew.get("error") else ""),
         f"mode:     {crew['mode']}",
-        f"allow:    {', '.join(crew['allow']) or '(provider hosts only)'}",
+        f"allow:    {', '.join(crew['allow']) or '-'}",
         f"runtime:  {crew['runtime']}",
         f"memory:   {crew['memory_bytes'] // (1 << 20)} MiB",
         f"cpus:     {crew['cpus']}",
@@ -546,6 +546,22 @@ def _crew_details(crew: dict[str, Any]) -> str:
     for container in crew.get("containers", []):
         state = "running" if container["running"] else "stopped"
         lines.append(f"{container['role']:<6}    {container['container_id'][:12]} {state}")
+    return "\n".join(lines)
+
+
+def _effective_allow(crew: dict[str, Any]) -> str:
+    """`crew show`: what the proxy lets this crew reach, each host with where it comes from
+    (crew: its own allow; default: [proxy.policy] default_allow; provider: a provider's URL)."""
+    if crew["mode"] == "free":
+        return "egress:   any host (mode free; the SSRF guard still applies)"
+    if crew["mode"] == "none":
+        return "egress:   none (mode none)"
+    entries = crew.get("effective_allow") or []
+    lines = [f"egress:   only these {len(entries)} hosts (mode restricted):"]
+    width = max((len(entry["host"]) for entry in entries), default=0)
+    lines += [
+        f"          {entry['host']:<{width}}  {', '.join(entry['sources'])}" for entry in entries
+    ]
     return "\n".join(lines)
 
 
@@ -580,7 +596,7 @@ def cmd_crew_show(args: argparse.Namespace, out: _Output) -> int:
     code, crew = _admin(args, out, "GET", f"/v1/crews/{args.name}")
     if code:
         return code
-    out.result(_crew_details(crew), {"ok": True, "crew": crew})
+    out.result(_crew_details(crew) + "\n" + _effective_allow(crew), {"ok": True, "crew": crew})
     return EXIT_OK
 
 

@@ -201,12 +201,16 @@ def write_proxy_config(
     extra: str = "",
     with_control: bool = False,
     listen_addresses: list[str] | None = None,
+    resolve_names: list[str] | None = None,
 ) -> tuple[Path, Path, Path | None]:
     events = tmp / "events.jsonl"
     control = tmp / "control.sock" if with_control else None
     allow_list = ", ".join(f'"{h}"' for h in (allow or []))
     ssrf = ", ".join(f'"{r}"' for r in (["127.0.0.0/8"] if ssrf_allow is None else ssrf_allow))
-    resolve = ", ".join(f'"{name}" = "127.0.0.1"' for name in [*PROVIDER_NAMES, *PLAIN_NAMES])
+    # resolve_names: more names for loopback (real names, e.g. a default allowlist host: the
+    # split-horizon table keeps their traffic on this machine).
+    names = [*PROVIDER_NAMES, *PLAIN_NAMES, *(resolve_names or [])]
+    resolve = ", ".join(f'"{name}" = "127.0.0.1"' for name in names)
     text = f"""
 [listen]
 port = {port}

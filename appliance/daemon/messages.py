@@ -34,6 +34,14 @@ class ContainerInfo(msgspec.Struct, frozen=True):
     running: bool
 
 
+class AllowEntry(msgspec.Struct, frozen=True):
+    """One host of a crew's effective allowlist and where it comes from: `crew` (its own
+    allow), `default` ([proxy.policy] default_allow), `provider` (a provider's base URL)."""
+
+    host: str
+    sources: tuple[str, ...]
+
+
 class CrewInfo(msgspec.Struct, frozen=True):
     name: str
     phase: str
@@ -49,6 +57,9 @@ class CrewInfo(msgspec.Struct, frozen=True):
     agent_id: str | None = None
     error: str | None = None
     containers: tuple[ContainerInfo, ...] = ()
+    # What the proxy allows this crew in restricted mode, as it holds it (docs/proxy.md); empty
+    # in modes free (any host) and none (no host).
+    effective_allow: tuple[AllowEntry, ...] = ()
 
 
 class CrewList(msgspec.Struct, frozen=True):
