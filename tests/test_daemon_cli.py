@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from appliance.demo_upstream import FakeServer
-from tests.conftest import ROOT, proxy_env
+from tests.conftest import ROOT, needs, proxy_env
 from tests.daemon_support import Appliance, busybox_images, needs_root_and_docker, new_appliance
 
 
@@ -41,7 +41,7 @@ def test_doctor_reports_every_check() -> None:
 def test_doctor_names_a_foreign_process_with_the_proxy_uid(tmp_path: Path) -> None:
     """Anything else running as the workers' uid could signal them: doctor says which pid."""
     if os.geteuid() != 0:
-        pytest.skip("needs root")
+        pytest.skip(needs("root"))
     config = tmp_path / "uid.toml"
     config.write_text("[proxy]\nuid = 1077\ngid = 1077\n")
 
