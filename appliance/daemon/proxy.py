@@ -54,7 +54,14 @@ from proxycore.io.control_server import ChannelClient
 
 from .errors import Unavailable
 from .messages import WorkerStatus
-from .supervisor import RestartPolicy, StderrTail, WorkerExit, exit_status
+from .supervisor import (
+    RestartPolicy,
+    StderrTail,
+    WorkerExit,
+    effective_uid,
+    exit_status,
+    read_stderr,
+)
 
 log = logging.getLogger("applianced.proxy")
 
@@ -108,7 +115,7 @@ class _Worker:
         return WorkerStatus(
             index=self.index,
             pid=process.pid if running and process is not None else None,
-            uid=_effective_uid(process.pid) if running and process is not None else None,
+            uid=effective_uid(process.pid) if running and process is not None else None,
             started=self.started if running else None,
             restarts=self.restarts,
             last_exit=scrub(last.reason) if last else None,
@@ -117,18 +124,6 @@ class _Worker:
             restart_at=self.restart_at,
             backoff=last.restart_in if last and self.restart_at is not None else None,
         )
-
-
-def _effective_uid(pid: int) -> int | None:
-    """The worker's effective UID as the kernel reports it (0 until it has dropped)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith("Uid:"):
-                    return int(line.split()[2])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 class ProxyPool:
@@ -247,7 +242,7 @@ class ProxyPool:
             stderr_scope = trio.CancelScope(shield=True)
             async with trio.open_nursery() as life:
                 life.start_soon(self._read_events, reader_scope, events, worker.index)
-                life.start_soon(self._read_stderr, stderr_scope, process, tail)
+                life.start_soon(read_stderr, stderr_scope, process, tail)
                 try:
                     await self._live(worker, process, control_ours)
                 finally:
@@ -309,23 +304,6 @@ class ProxyPool:
 
     def worker_status(self) -> tuple[WorkerStatus, ...]:
         return tuple(worker.status(self._scrub) for worker in self.workers)
-
-    async def _read_stderr(
-        self, scope: trio.CancelScope, process: trio.Process, tail: StderrTail
-    ) -> None:
-        stream = process.stderr
-        assert stream is not None
-        with scope:
-            async with stream:
-                while True:
-                    try:
-                        data = await stream.receive_some(65536)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        data = b""
-                    if not data:
-                        break
-                    tail.feed(data)
-        tail.finish()
 
     async def _read_events(
         self, scope: trio.CancelScope, events: trio.SocketStream, index: int

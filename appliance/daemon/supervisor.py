@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 import msgspec
+import trio
 
 TAIL_LINES = 20
 # A line longer than this is cut (kept and relayed as its first LINE_BYTES bytes, then "...").
@@ -153,3 +154,32 @@ class StderrTail:
 
     def tail(self) -> tuple[str, ...]:
         return tuple(self.lines)
+
+
+async def read_stderr(scope: trio.CancelScope, process: trio.Process, tail: StderrTail) -> None:
+    """Feed `tail` from the worker's stderr pipe until EOF (it exited) or `scope` ends."""
+    stream = process.stderr
+    assert stream is not None
+    with scope:
+        async with stream:
+            while True:
+                try:
+                    data = await stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    break
+                tail.feed(data)
+    tail.finish()
+
+
+def effective_uid(pid: int) -> int | None:
+    """A process's effective UID as the kernel reports it (a worker's is 0 until it drops)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
