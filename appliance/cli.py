@@ -479,9 +479,32 @@ def cmd_status(args: argparse.Namespace, out: _Output) -> int:
         f"{status['proxy_port']}, restarts {status['proxy_restarts']}",
         f"crews: {status['crews']} ({status['crews_ready']} ready)",
     ]
+    lines += [_worker_line(worker) for worker in status.get("proxy_workers") or ()]
     lines += [f"reconciled at start: {change}" for change in status["reconcile"]]
     out.result("\n".join(lines), {"ok": True, **status})
     return EXIT_OK
+
+
+def _worker_line(worker: dict[str, Any]) -> str:
+    """One proxy worker for `status`: pid and uid (or when it restarts), restarts, last exit."""
+    import time
+
+    def clock(ts: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+    if worker.get("restart_at") is not None:
+        left = max(0.0, worker["restart_at"] - time.time())
+        state = f"down, back in {left:.1f} s (backoff {worker.get('backoff') or 0:.1f} s)"
+    elif worker.get("pid") is not None:
+        state = f"pid {worker['pid']}, uid {worker.get('uid')}"
+    else:
+        state = "starting"
+    line = f"  worker {worker['index']}: {state}, restarts {worker['restarts']}"
+    if worker.get("last_exit"):
+        line += f"; last exit {clock(worker['last_exit_time'])}: {worker['last_exit']}"
+        if worker.get("last_stderr"):
+            line += f" (stderr: {worker['last_stderr']})"
+    return line
 
 
 def cmd_doctor(args: argparse.Namespace, out: _Output) -> int:
@@ -515,7 +538,7 @@ def _crew_details(crew: dict[str, Any]) -> str:
         f"name:     {crew['name']}",
         f"phase:    {crew['phase']}" + (f" ({crew['error']})" if crew.get("error") else ""),
         f"mode:     {crew['mode']}",
-        f"allow:    {', '.join(crew['allow']) or '(provider hosts only)'}",
+        f"allow:    {', '.join(crew['allow']) or '-'}",
         f"reach:    {', '.join(crew.get('ssrf_allow') or ()) or '-'} (ssrf_allow)",
         f"runtime:  {crew['runtime']}",
         f"memory:   {crew['memory_bytes'] // (1 << 20)} MiB",
@@ -525,6 +548,22 @@ def _crew_details(crew: dict[str, Any]) -> str:
     for container in crew.get("containers", []):
         state = "running" if container["running"] else "stopped"
         lines.append(f"{container['role']:<6}    {container['container_id'][:12]} {state}")
+    return "\n".join(lines)
+
+
+def _effective_allow(crew: dict[str, Any]) -> str:
+    """`crew show`: what the proxy lets this crew reach, each host with where it comes from
+    (crew: its own allow; default: [proxy.policy] default_allow; provider: a provider's URL)."""
+    if crew["mode"] == "free":
+        return "egress:   any host (mode free; the SSRF guard still applies)"
+    if crew["mode"] == "none":
+        return "egress:   none (mode none)"
+    entries = crew.get("effective_allow") or []
+    lines = [f"egress:   only these {len(entries)} hosts (mode restricted):"]
+    width = max((len(entry["host"]) for entry in entries), default=0)
+    lines += [
+        f"          {entry['host']:<{width}}  {', '.join(entry['sources'])}" for entry in entries
+    ]
     return "\n".join(lines)
 
 
@@ -560,7 +599,7 @@ def cmd_crew_show(args: argparse.Namespace, out: _Output) -> int:
     code, crew = _admin(args, out, "GET", f"/v1/crews/{args.name}")
     if code:
         return code
-    out.result(_crew_details(crew), {"ok": True, "crew": crew})
+    out.result(_crew_details(crew) + "\n" + _effective_allow(crew), {"ok": True, "crew": crew})
     return EXIT_OK
 
 

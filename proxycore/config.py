@@ -23,7 +23,13 @@ import msgspec
 
 from native.scrub_patterns import token_shape
 from proxycore.errors import ConfigError
-from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host, parse_mode
+from proxycore.protocol.policy import (
+    DEFAULT_ALLOWED_HOSTS,
+    Allowlist,
+    NetworkMode,
+    normalize_host,
+    parse_mode,
+)
 from proxycore.protocol.ssrf import AddressGuard
 
 # Documented defaults, compared with other servers in docs/limits.md.
@@ -152,6 +158,14 @@ class ScrubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shapes: tuple[ScrubShapeConfig, ...] = ()
 
 
+class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Hosts every crew in restricted mode may reach besides its own `allow` (exact names, as
+    # `allow`). The shipped default is the source design's list, each host's reason beside it in
+    # proxycore/protocol/policy.py DEFAULT_ALLOWED_HOSTS; [] for none. The configured providers'
+    # hosts are added to every crew whatever this says (docs/proxy.md, "The default allowlist").
+    default_allow: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
+
+
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     crew: tuple[CrewConfig, ...] = ()
     listen: ListenConfig = ListenConfig()
@@ -161,6 +175,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     events: EventsConfig = EventsConfig()
     control: ControlConfig = ControlConfig()
     scrub: ScrubConfig = ScrubConfig()
+    policy: PolicyConfig = PolicyConfig()
 
 
 DEFAULT_BASE_URLS = {
@@ -225,6 +240,11 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
             AddressGuard(crew.ssrf_allow)
         except ValueError as exc:
             raise fail(f"{key}.ssrf_allow", str(exc)) from None
+    for j, host in enumerate(config.policy.default_allow):
+        try:
+            Allowlist([host])
+        except Exception:
+            raise fail(f"policy.default_allow[{j}]", f"not a valid host name: {host!r}") from None
     for index, address in enumerate(config.listen.addresses):
         try:
             ipaddress.ip_address(address)
@@ -303,8 +323,44 @@ def parse_nameserver(text: str) -> tuple[str, int]:
     return address, int(port_text)
 
 
-def crew_policy(crew: CrewConfig) -> tuple[NetworkMode, Allowlist]:
-    from proxycore.protocol.policy import DEFAULT_ALLOWED_HOSTS
-
+def crew_policy(crew: CrewConfig, policy: PolicyConfig) -> tuple[NetworkMode, Allowlist]:
+    """The crew's mode and its allowlist: `[policy] default_allow`, then the crew's own. The
+    proxy adds the configured provider hosts (`provider_hosts`) on top."""
     mode, _ = parse_mode(crew.mode)
-    return mode, Allowlist([*DEFAULT_ALLOWED_HOSTS, *crew.allow])
+    return mode, Allowlist([*policy.default_allow, *crew.allow])
+
+
+def provider_hosts(config: ProxyConfig) -> tuple[str, ...]:
+    """The host of every provider's base URL (configured, or the default): the reverse routes
+    lead there, and the name policy checks them like any other host, so every crew's allowlist
+    holds them (the proxy's routes are built from the same URLs: protocol/credentials.py)."""
+    hosts: list[str] = []
+    for name, default_url in DEFAULT_BASE_URLS.items():
+        provider: ProviderConfig = getattr(config.providers, name)
+        hostname = urllib.parse.urlsplit(provider.base_url or default_url).hostname
+        assert hostname is not None  # checked by validate
+        hosts.append(hostname.lower())
+    return tuple(hosts)
+
+
+# Where an entry of a crew's effective allowlist comes from (`allowlist_sources`).
+SOURCE_CREW, SOURCE_DEFAULT, SOURCE_PROVIDER = "crew", "default", "provider"
+
+
+def allowlist_sources(
+    config: ProxyConfig, crew_allow: tuple[str, ...]
+) -> list[tuple[str, tuple[str, ...]]]:
+    """A restricted crew's effective allowlist as the proxy holds it, each normalized host with
+    where it comes from (crew, default, provider; a host may come from several): the crew's own
+    hosts first, then `[policy] default_allow`, then the provider hosts, each in its order."""
+    sources: dict[str, list[str]] = {}
+    for source, hosts in (
+        (SOURCE_CREW, crew_allow),
+        (SOURCE_DEFAULT, config.policy.default_allow),
+        (SOURCE_PROVIDER, provider_hosts(config)),
+    ):
+        for host in hosts:
+            entry = sources.setdefault(normalize_host(host), [])
+            if source not in entry:
+                entry.append(source)
+    return [(host, tuple(where)) for host, where in sources.items()]

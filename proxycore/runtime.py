@@ -169,7 +169,7 @@ class ProxyRuntime:
     # -- crews --------------------------------------------------------------------------------
 
     def _add_crew(self, crew: CrewConfig) -> CrewState:
-        mode, allowlist = crew_policy(crew)
+        mode, allowlist = crew_policy(crew, self.config.policy)
         # The configured provider hosts are part of every crew's allowlist: the operator
         # named them, and the reverse routes lead nowhere else.
         for route in self.routes.by_name.values():

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import PLAIN_NAMES, PROVIDER_NAMES, ROOT, free_port, proxy_env
+from tests.conftest import PLAIN_NAMES, PROVIDER_NAMES, ROOT, free_port, needs, proxy_env
 
 # The fake providers and plain hosts listen on this host's loopback, which the proxy refuses as
 # a destination unless the crew names it (docs/proxy.md "Destinations"): every crew a test
@@ -29,13 +29,13 @@ REACH_TEST_HOSTS = ("--ssrf-allow", "127.0.0.0/8")
 
 def needs_root_and_docker() -> None:
     if os.geteuid() != 0:
-        pytest.skip("applianced needs root")
+        pytest.skip(needs("root", "applianced"))
     try:
         import docker
 
         docker.from_env(timeout=5).ping()
     except Exception as exc:
-        pytest.skip(f"no Docker engine: {exc}")
+        pytest.skip(needs("Docker", f"no engine answers: {exc}"))
 
 
 def busybox_images() -> tuple[str, str]:
@@ -48,7 +48,7 @@ def busybox_images() -> tuple[str, str]:
     try:
         tag = ensure_test_image(docker.from_env())
     except RuntimeError as exc:
-        pytest.skip(str(exc))
+        pytest.skip(needs("Docker", f"the test image: {exc}"))
     return tag, tag
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from appliance.daemon.config import parse_config
+from tests.conftest import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSIBLE_DIR = ROOT / "ansible"
@@ -183,7 +184,7 @@ def _agent_image() -> str:
 def test_role_in_a_container_is_idempotent(tmp_path: Path) -> None:
     docker = shutil.which("docker")
     if docker is None:
-        pytest.skip("docker CLI not installed")
+        pytest.skip(needs("Docker", "the docker CLI is not installed"))
     image = _agent_image()
     (tmp_path / "inventory.ini").write_text(
         "[appliance]\n"

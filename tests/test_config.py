@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from proxycore.config import parse_config
+from proxycore.config import allowlist_sources, parse_config
 from proxycore.errors import ConfigError
 from proxycore.io.sinks import MemorySink
 from proxycore.protocol.events import PolicyWarning
-from proxycore.protocol.policy import NetworkMode
+from proxycore.protocol.policy import DEFAULT_ALLOWED_HOSTS, NetworkMode
 from proxycore.runtime import ProxyRuntime
 
 BASE = """
@@ -41,6 +41,11 @@ gateway = "127.0.0.1"
         ("[upstream]\nssrf_allow = ['not-a-cidr']\n", "upstream.ssrf_allow"),
         ("[upstream]\nresolve = { 'x.test' = 'nope' }\n", "upstream.resolve.x.test"),
         ("[events]\nflush_interval = 0\n", "$.events.flush_interval"),
+        ("[policy]\ndefault_allow = ['ok.test', 'bad host']\n", "policy.default_allow[1]"),
+        ("[policy]\ndefault_allow = ['0x7f.1']\n", "policy.default_allow[0]"),
+        ("[policy]\ndefault_allow = ['a.test.']\n", "policy.default_allow[0]"),
+        ("[policy]\ndefault_allow = 'api.anthropic.com'\n", "$.policy.default_allow"),
+        ("[policy]\ndefault_alow = []\n", "default_alow"),
         ("not toml [", "not valid TOML"),
     ],
 )
@@ -64,6 +69,70 @@ def test_missing_mode_is_restricted() -> None:
     assert runtime.crews["127.0.0.1"].policy.mode is NetworkMode.RESTRICTED
     assert "api.anthropic.com" in runtime.crews["127.0.0.1"].policy.allowlist
     assert "anthropic.com" not in runtime.crews["127.0.0.1"].policy.allowlist
+
+
+def test_default_allow_is_configuration() -> None:
+    """`[policy] default_allow` decides what a restricted crew may reach besides its own allow;
+    the provider hosts (the reverse routes' destinations) stay whatever it says."""
+    shipped = ProxyRuntime(parse_config(BASE), MemorySink()).crews["127.0.0.1"].policy.allowlist
+    assert set(DEFAULT_ALLOWED_HOSTS) <= set(shipped)
+    none = ProxyRuntime(parse_config("[policy]\ndefault_allow = []\n" + BASE), MemorySink())
+    assert list(none.crews["127.0.0.1"].policy.allowlist) == sorted(
+        ["api.anthropic.com", "api.openai.com", "generativelanguage.googleapis.com"]
+    )
+    one = parse_config("[policy]\ndefault_allow = ['Registry.NPMJS.org:443']\n" + BASE)
+    runtime = ProxyRuntime(one, MemorySink())
+    assert "registry.npmjs.org" in runtime.crews["127.0.0.1"].policy.allowlist
+    assert "chatgpt.com" not in runtime.crews["127.0.0.1"].policy.allowlist
+
+
+def test_allowlist_sources_name_where_each_host_comes_from() -> None:
+    config = parse_config(
+        "[policy]\ndefault_allow = ['accounts.google.com', 'github.com']\n"
+        "[providers.anthropic]\nbase_url = 'https://llm.example.test:8443/anthropic'\n"
+    )
+    assert allowlist_sources(config, ("github.com", "pypi.org")) == [
+        ("github.com", ("crew", "default")),
+        ("pypi.org", ("crew",)),
+        ("accounts.google.com", ("default",)),
+        ("llm.example.test", ("provider",)),
+        ("api.openai.com", ("provider",)),
+        ("generativelanguage.googleapis.com", ("provider",)),
+    ]
+    # The proxy's own allowlist for such a crew holds exactly these hosts.
+    crew = parse_config(
+        "[policy]\ndefault_allow = ['accounts.google.com', 'github.com']\n"
+        "[providers.anthropic]\nbase_url = 'https://llm.example.test:8443/anthropic'\n"
+        + BASE
+        + "allow = ['github.com', 'pypi.org']\n"
+    )
+    held = ProxyRuntime(crew, MemorySink()).crews["127.0.0.1"].policy.allowlist
+    assert sorted(held) == sorted(host for host, _ in allowlist_sources(config, crew.crew[0].allow))
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("[proxy.policy]\ndefault_allow = ['fine.test', 'not a host']\n", "default_allow[1]"),
+        ("[proxy.policy]\ndefault_allow = 5\n", "$.proxy.policy.default_allow"),
+        ("[proxy.policy]\nallow = []\n", "$.proxy.policy"),
+    ],
+)
+def test_applianced_policy_errors_name_the_key(text: str, named: str) -> None:
+    from appliance.daemon.config import parse_config as parse_daemon_config
+    from appliance.daemon.errors import ConfigInvalid
+
+    with pytest.raises(ConfigInvalid) as caught:
+        parse_daemon_config(text, source="appliance.toml")
+    assert named in str(caught.value) and "appliance.toml" in str(caught.value)
+
+
+def test_applianced_passes_its_policy_to_the_workers() -> None:
+    from appliance.daemon.config import parse_config as parse_daemon_config
+
+    config = parse_daemon_config("[proxy.policy]\ndefault_allow = ['github.com']\n")
+    assert config.proxy_config().policy.default_allow == ("github.com",)
+    assert parse_daemon_config("").proxy_config().policy.default_allow == DEFAULT_ALLOWED_HOSTS
 
 
 def test_credential_never_in_error_or_repr(tmp_path, monkeypatch) -> None:

@@ -50,7 +50,7 @@ import pytest
 import trustme
 
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER, AGENT_KEY_VARIABLES
-from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS
+from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, needs
 from tests.daemon_support import Appliance, needs_root_and_docker, new_appliance, remove_volumes
 from tests.fake_anthropic import REPLY, FakeAnthropic, bind_listener
 
@@ -247,7 +247,9 @@ def world(
 def runtime(request: pytest.FixtureRequest, world: World) -> str:
     name: str = request.param
     if name not in world.crews:
-        pytest.skip(f"the engine has no runtime {name}")
+        # runsc is gVisor; runc comes with the engine.
+        what = "gVisor" if name == "runsc" else "Docker"
+        pytest.skip(needs(what, f"the engine has no runtime {name}"))
     return name
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from appliance.demo_upstream import FakeServer
-from tests.conftest import ROOT, proxy_env
+from tests.conftest import ROOT, needs, proxy_env
 from tests.daemon_support import (
     REACH_TEST_HOSTS,
+    Appliance,
     busybox_images,
     needs_root_and_docker,
     new_appliance,
@@ -46,7 +47,7 @@ def test_doctor_reports_every_check() -> None:
 def test_doctor_names_a_foreign_process_with_the_proxy_uid(tmp_path: Path) -> None:
     """Anything else running as the workers' uid could signal them: doctor says which pid."""
     if os.geteuid() != 0:
-        pytest.skip("needs root")
+        pytest.skip(needs("root"))
     config = tmp_path / "uid.toml"
     config.write_text("[proxy]\nuid = 1077\ngid = 1077\n")
 
@@ -129,3 +130,88 @@ def test_up_detach_answers_then_stops_on_sigterm(
         assert app.ctl("run", name, "--", "true").returncode == 0
     finally:
         app.cleanup()
+
+
+def test_crew_show_lists_the_effective_allowlist_the_proxy_enforces(appliance: Appliance) -> None:
+    """Every host a restricted crew may reach, with where it comes from: its own allow, the
+    operator's [proxy.policy] default_allow, the providers' hosts; and the proxy agrees."""
+    app = appliance
+    app.infra_pool = 0
+    app.write_config(*busybox_images())
+    with app.config.open("a") as config:
+        config.write('\n[proxy.policy]\ndefault_allow = ["other.test", "plain.test"]\n')
+    app.start()
+    name = app.crew("allow")
+    created = app.ctl(
+        "crew", "create", name, *REACH_TEST_HOSTS, "--allow", "plain.test", "--allow", "pypi.org"
+    )
+    assert created.returncode == 0, created.stderr
+    code, shown = app.ctl_json("crew", "show", name)
+    assert code == 0
+    assert [[e["host"], e["sources"]] for e in shown["crew"]["effective_allow"]] == [
+        ["plain.test", ["crew", "default"]],
+        ["pypi.org", ["crew"]],
+        ["other.test", ["default"]],
+        ["api.anthropic.test", ["provider"]],
+        ["api.openai.test", ["provider"]],
+        ["generativelanguage.googleapis.test", ["provider"]],
+    ]
+    human = app.ctl("crew", "show", name).stdout
+    assert "egress:   only these 6 hosts (mode restricted):" in human, human
+    assert any(line.split() == ["plain.test", "crew,", "default"] for line in human.splitlines())
+    assert any(line.split() == ["other.test", "default"] for line in human.splitlines())
+    # The proxy holds the same list: a default host is reached, an unlisted one refused
+    # (by name, before any lookup: nothing leaves the machine).
+    reached = app.ctl(
+        "run", name, "--", "wget", "-q", "-O-", f"http://other.test:{app.plain_port}/"
+    )
+    assert reached.returncode == 0, reached.stderr
+    gateway = shown["crew"]["gateway"]
+    raw = (
+        f"printf 'GET http://chatgpt.com/ HTTP/1.1\\r\\nHost: chatgpt.com\\r\\n"
+        f"Connection: close\\r\\n\\r\\n' | nc {gateway} {app.port}"
+    )
+    refused = app.ctl("run", name, "--", "sh", "-c", raw)
+    assert "403" in refused.stdout.splitlines()[0] and "not_in_allowlist" in refused.stdout
+    # Modes that consult no allowlist say so.
+    free = app.crew("free")
+    assert app.ctl("crew", "create", free, *REACH_TEST_HOSTS, "--mode", "free").returncode == 0
+    code, shown = app.ctl_json("crew", "show", free)
+    assert shown["crew"]["effective_allow"] == []
+    assert "egress:   any host (mode free" in app.ctl("crew", "show", free).stdout
+
+
+def test_status_says_why_a_worker_exited_and_the_journal_too(appliance: Appliance) -> None:
+    app = appliance
+    app.infra_pool = 0
+    app.write_config(*busybox_images())
+    app.start()
+    code, status = app.ctl_json("status")
+    assert code == 0 and len(status["proxy_workers"]) == app.proxy_workers
+    victim = status["proxy_workers"][0]
+    other = status["proxy_workers"][1]
+    assert victim["restarts"] == 0 and victim["last_exit"] is None
+    assert victim["uid"] == 1002 and other["uid"] == 1002  # the kernel's word: they dropped
+    os.kill(victim["pid"], signal.SIGKILL)
+    for _ in range(300):
+        code, status = app.ctl_json("status")
+        worker = status["proxy_workers"][0]
+        if worker["restarts"] == 1 and worker["pid"] not in (None, victim["pid"]):
+            break
+        subprocess.run(["sleep", "0.05"])
+    else:
+        raise AssertionError(f"worker 0 not restarted: {status}")
+    assert worker["last_exit"] == "killed by SIGKILL" and worker["last_exit_time"]
+    assert worker["restart_at"] is None and worker["uid"] == 1002
+    assert status["proxy_workers"][1]["pid"] == other["pid"]  # the other one never stopped
+    assert status["proxy_restarts"] == 1
+    human = app.ctl("status").stdout
+    assert f"  worker 0: pid {worker['pid']}, uid 1002, restarts 1; last exit " in human, human
+    assert human.rstrip().count("killed by SIGKILL") == 1
+    journal = app.ctl("--json", "journal", "tail", "--type", "proxy.worker_exited")
+    assert journal.returncode == 0, journal.stderr
+    (entry,) = [json.loads(line) for line in journal.stdout.splitlines() if line.strip()]
+    assert entry["summary"].startswith(f"proxy worker 0 (pid {victim['pid']}) killed by SIGKILL")
+    payload = json.loads(entry["payload"])
+    assert payload["signal"] == "SIGKILL" and payload["killed_by"] is None
+    assert payload["restarts"] == 1 and 0.375 <= payload["restart_in"] <= 0.5

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs
 
 pytestmark = pytest.mark.docker
 
 
 def _needs_root_and_docker() -> None:
     if os.geteuid() != 0:
-        pytest.skip("the demo needs root")
+        pytest.skip(needs("root", "the demo"))
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        pytest.skip("no Docker engine")
+        pytest.skip(needs("Docker", "no engine answers `docker info`"))
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:

@@ -57,7 +57,7 @@ def _engine_answers() -> bool:
 pytestmark = [
     pytest.mark.docker,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (debootstrap, chroot)"),
-    pytest.mark.skipif(not _engine_answers(), reason="needs a running Docker engine"),
+    pytest.mark.skipif(not _engine_answers(), reason="needs Docker (a running engine)"),
 ]
 
 HARDENED = [

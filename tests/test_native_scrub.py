@@ -36,6 +36,7 @@ from native.scrub_patterns import (
     lit,
 )
 from native.scrub_reference import ReferenceStream, Tables, scrub_whole
+from tests.conftest import needs
 
 _FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 
@@ -53,7 +54,9 @@ sets_harness = _load("fuzz_scrub_secret_sets")
 check = harness.check
 Secrets = tuple[tuple[str, bytes], ...]
 
-needs_native = pytest.mark.skipif(not scrub_native.AVAILABLE, reason="C scrubber not built")
+needs_native = pytest.mark.skipif(
+    not scrub_native.AVAILABLE, reason=needs("the native build", "the C scrubber is not built")
+)
 BOTH = pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
 
 KEY = b"sk-ant-api03-Zx8Qw2Lm4Np6Rt1Vb3Yc5Hd7Jf9Kg0Ps2Uq4Wo6Ei8"

@@ -77,7 +77,8 @@ def test_default_allowed_hosts_match_the_design() -> None:
         "api2.cursor.sh",
         "api.factory.ai",
         "app.factory.ai",
-    } == DEFAULT_ALLOWED_HOSTS
+    } == set(DEFAULT_ALLOWED_HOSTS)
+    assert len(set(DEFAULT_ALLOWED_HOSTS)) == len(DEFAULT_ALLOWED_HOSTS)  # no host twice
     assert all(normalize_host(host) == host for host in DEFAULT_ALLOWED_HOSTS)
 
 

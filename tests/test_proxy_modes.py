@@ -359,6 +359,40 @@ def test_control_socket_answers_a_line_it_cannot_read_and_goes_on(proxy: Running
     assert allowed["ok"] is True
 
 
+def test_default_allow_is_configuration_and_a_removed_host_is_refused(
+    make_proxy, plain_host: FakeServer, provider: FakeServer
+) -> None:
+    """`[policy] default_allow` (docs/proxy.md): a host on the shipped list is allowed to every
+    restricted crew; removed from the list, a real proxy refuses it; the provider hosts stay."""
+    # api.cursor.sh is on the shipped list; the split-horizon table sends it to the plain test
+    # host on loopback, so nothing leaves the machine.
+    url = f"http://api.cursor.sh:{plain_host.port}/x"
+    shipped = make_proxy(resolve_names=["api.cursor.sh"])
+    trimmed = make_proxy(
+        resolve_names=["api.cursor.sh"], extra="[policy]\ndefault_allow = ['api.anthropic.com']\n"
+    )
+    empty = make_proxy(resolve_names=["api.cursor.sh"], extra="[policy]\ndefault_allow = []\n")
+    with httpx.Client(proxy=shipped.url, timeout=10) as client:
+        assert client.get(url).status_code == 200
+    for proxy in (trimmed, empty):
+        with httpx.Client(proxy=proxy.url, timeout=10) as client:
+            refused = client.get(url)
+        assert refused.status_code == 403
+        assert refused.json()["rule"] == "not_in_allowlist"
+        assert refused.json()["host"] == "api.cursor.sh"
+        denied = [e for e in proxy.events() if isinstance(e, RequestDenied)]
+        assert [(e.host, e.rule) for e in denied] == [("api.cursor.sh", "not_in_allowlist")]
+        # The configured provider's host is every crew's, whatever default_allow says.
+        answer = httpx.post(
+            f"{proxy.url}/anthropic/v1/messages",
+            headers={"x-api-key": AGENT_DUMMY_KEY},
+            json={"model": "m", "max_tokens": 1, "messages": []},
+            timeout=10,
+        )
+        assert answer.status_code == 200, answer.text
+        assert provider.last().all("x-api-key") == [REAL_KEYS["anthropic"]]
+
+
 def test_mode_none_refuses_every_route(make_proxy) -> None:
     proxy = make_proxy(mode="none")
     response = httpx.post(f"{proxy.url}/anthropic/v1/messages", json={})

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -510,29 +511,59 @@ def _gone(provider, crew: str, commands: tuple[str, ...]) -> bool:  # type: igno
         time.sleep(0.1)
 
 
-def test_engine_sees_no_leftover_process(provider, client, started: Started) -> None:  # type: ignore[no-untyped-def]
-    if started.runtime == "runsc":
-        # `docker top` on a gVisor container lists host processes, not the sandbox's (seen
-        # here with runsc and Docker 20.10): the in-container `ps` checks above stand for it.
-        pytest.skip("the engine's top does not see inside a gVisor sandbox")
-
-    def sleeping() -> bool:
+def _host_side_processes(client, started: Started) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    """(pid, command) of every process in the agent container, seen from outside it: the
+    engine's `top` for runc; for gVisor `runsc ps` against the engine's runtime state (the
+    engine's `top` lists host processes, not the sandbox's: seen with runsc and Docker 20.10),
+    which reads the sandbox's own process table and prints commands without arguments."""
+    if started.runtime != "runsc":
         rows = client.api.top(started.agent_id)["Processes"]
-        return any("sleep 34" in " ".join(row) for row in rows)
+        return {(row[1], " ".join(row[7:])) for row in rows}
+    runsc = shutil.which("runsc")
+    assert runsc is not None, "gVisor's runsc is not on PATH"
+    # dockerd keeps each container's runtime state under <exec-root>/runtime-<runtime>/moby;
+    # a gVisor container's is "<id>_sandbox:<id>.state".
+    roots = {
+        path.parent for path in Path("/run/docker").glob(f"runtime-*/*/*{started.agent_id}*.state")
+    }
+    assert len(roots) == 1, f"no single runtime root for {started.agent_id[:12]}: {roots}"
+    out = subprocess.run(
+        [runsc, "--root", str(roots.pop()), "ps", started.agent_id],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
+    return {(row[1], " ".join(row[7:])) for row in rows}
+
+
+def test_engine_sees_no_leftover_process(provider, client, started: Started) -> None:  # type: ignore[no-untyped-def]
+    """A cancelled exec leaves no process behind, as seen from outside the container."""
+    before = _host_side_processes(client, started)
+
+    def new_sleep() -> bool:
+        return any(
+            "sleep" in command for _, command in _host_side_processes(client, started) - before
+        )
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, provider, started.name, ["sleep", "34"])
-            for _ in range(100):  # the control: the engine does see it while it runs
+            for _ in range(100):  # the control: the outside view does see it while it runs
                 await trio.sleep(0.05)
-                if await trio.to_thread.run_sync(sleeping):
+                if await trio.to_thread.run_sync(new_sleep):
                     break
             else:
-                raise AssertionError("the exec never appeared in the engine's top")
+                raise AssertionError("the exec never appeared in the outside view")
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    assert not sleeping()
+    # Nothing but what ran before (the exec's own wrapper and the sleep are gone).
+    deadline = time.monotonic() + 3
+    while (left := _host_side_processes(client, started) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, left
 
 
 def test_exec_in_a_crew_without_agent(provider) -> None:  # type: ignore[no-untyped-def]

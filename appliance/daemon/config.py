@@ -10,7 +10,8 @@ Unknown keys and bad values are errors naming the key (`ConfigInvalid`), as in
                [daemon] proxy_port, so the rules and the proxy can never disagree
     [credentials]  the credential store's file and key source (docs/credentials.md)
     [proxy]    what the proxy core takes from its own config file except crews, listeners and
-               control (applianced supplies those): limits, providers, upstream, events, scrub
+               control (applianced supplies those): limits, providers, upstream, events, scrub,
+               policy
 
 No file at all means every default.
 """
@@ -30,6 +31,7 @@ from proxycore.config import (
     DEFAULT_PORT,
     EventsConfig,
     LimitsConfig,
+    PolicyConfig,
     ProvidersConfig,
     ProxyConfig,
     ScrubConfig,
@@ -113,6 +115,9 @@ class ProxySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (what an applianced crash can lose, docs/journal.md); `path` must stay unset.
     events: EventsConfig = EventsConfig(flush_interval=0.05)
     scrub: ScrubConfig = ScrubConfig()
+    # `default_allow`: hosts every restricted crew may reach besides its own (docs/proxy.md,
+    # "The default allowlist"; `appliancectl crew show` lists each crew's effective allowlist).
+    policy: PolicyConfig = PolicyConfig()
 
 
 class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -154,6 +159,7 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             upstream=upstream,
             events=section.events,
             scrub=section.scrub,
+            policy=section.policy,
         )
 
 

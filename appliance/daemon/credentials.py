@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("applianced.credentials")
 
 # How long a push may take before the proxy is declared not to have taken it. A healthy proxy
-# answers in milliseconds; this also covers a push that lands while the proxy restarts (1 s
-# delay, then its start-up).
+# answers in milliseconds; this also covers a push that lands while a worker restarts after a
+# first crash (0.5 s backoff, then its start-up). A worker further into its backoff
+# (appliance/daemon/supervisor.py) reads the whole map from the store when it starts.
 PUSH_TIMEOUT = 5.0
 
 

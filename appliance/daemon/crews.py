@@ -78,8 +78,9 @@ from appliance.runtime.base import (
 from netns import CrewNetworks, NetnsError, netns_of_pid
 from netns.addressing import check_crew_id
 from netns.manager import NetworkReport
+from proxycore.config import allowlist_sources
 from proxycore.errors import PolicyDenied
-from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host
+from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host, parse_mode
 from proxycore.protocol.ssrf import AddressGuard
 
 from . import messages
@@ -516,6 +517,17 @@ class CrewManager:
                 for c in owned
                 if c.crew in (row.name, row.key)
             ),
+            effective_allow=self.effective_allow(row),
+        )
+
+    def effective_allow(self, row: CrewRow) -> tuple[messages.AllowEntry, ...]:
+        """The allowlist the proxy workers hold for this crew (their config, the row's allow),
+        or () if its mode does not consult one."""
+        if parse_mode(row.mode)[0] is not NetworkMode.RESTRICTED:
+            return ()
+        return tuple(
+            messages.AllowEntry(host, sources)
+            for host, sources in allowlist_sources(self.proxy.config, row.allow)
         )
 
     async def net_report(self) -> NetworkReport:

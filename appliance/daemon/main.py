@@ -156,6 +156,7 @@ class Daemon:
             pool_ready=self.crews.pool_ready(),
             proxy_pids=self.proxy.pids,
             proxy_uid=self.proxy.drop_to[0] if self.proxy.drop_to else None,
+            proxy_workers=self.proxy.worker_status(),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -182,10 +183,12 @@ class Daemon:
                 # Only root can drop to another UID; applianced runs as root on an appliance.
                 drop_to=(section.uid, section.gid) if os.geteuid() == 0 else None,
                 events_reader=recorder.ingest_proxy_channel,
+                on_exit=recorder.proxy_worker_exited,
             )
             self.credentials_api = CredentialsApi(credentials, self.proxy)
             self.proxy.credentials_source = self.credentials_api.source
-            self.credentials_api.scrubbed.append(journal)
+            # What the workers write on stderr is scrubbed as the journal is.
+            self.credentials_api.scrubbed += [journal, self.proxy]
             # (on this thread: the store's SQLite connection belongs to it; a few ms)
             self.credentials_api.refresh_scrubbers()
             images = await trio.to_thread.run_sync(resolve_images, self.config)

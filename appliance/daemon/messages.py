@@ -37,6 +37,14 @@ class ContainerInfo(msgspec.Struct, frozen=True):
     running: bool
 
 
+class AllowEntry(msgspec.Struct, frozen=True):
+    """One host of a crew's effective allowlist and where it comes from: `crew` (its own
+    allow), `default` ([proxy.policy] default_allow), `provider` (a provider's base URL)."""
+
+    host: str
+    sources: tuple[str, ...]
+
+
 class CrewInfo(msgspec.Struct, frozen=True):
     name: str
     phase: str
@@ -52,6 +60,9 @@ class CrewInfo(msgspec.Struct, frozen=True):
     agent_id: str | None = None
     error: str | None = None
     containers: tuple[ContainerInfo, ...] = ()
+    # What the proxy allows this crew in restricted mode, as it holds it (docs/proxy.md); empty
+    # in modes free (any host) and none (no host).
+    effective_allow: tuple[AllowEntry, ...] = ()
     ssrf_allow: tuple[str, ...] = ()
 
 
@@ -68,6 +79,21 @@ class AllowResult(msgspec.Struct, frozen=True):
 class Removed(msgspec.Struct, frozen=True):
     crew: str
     removed: bool = True
+
+
+class WorkerStatus(msgspec.Struct, frozen=True):
+    """One proxy worker as its supervisor sees it (appliance/daemon/supervisor.py)."""
+
+    index: int
+    pid: int | None  # None while it is down (waiting out its backoff) or starting
+    uid: int | None  # its effective UID as the kernel reports it (/proc/PID/status)
+    started: float | None  # wall-clock time this life started
+    restarts: int  # exits since applianced started, each followed by a restart
+    last_exit: str | None = None  # why it last exited ("killed by SIGSEGV", ...)
+    last_exit_time: float | None = None
+    last_stderr: str | None = None  # its last line on stderr before that exit (scrubbed)
+    restart_at: float | None = None  # a restart is pending: when (wall clock)
+    backoff: float | None = None  # ... and the backoff chosen, in seconds
 
 
 class Status(msgspec.Struct, frozen=True):
@@ -89,6 +115,7 @@ class Status(msgspec.Struct, frozen=True):
     pool_ready: int = 0  # how many are ready now (a crew create takes one)
     proxy_pids: tuple[int, ...] = ()  # every running proxy worker (proxy_pid is the first)
     proxy_uid: int | None = None  # the UID the workers drop to (None: they keep applianced's)
+    proxy_workers: tuple[WorkerStatus, ...] = ()  # per worker: pid, uid, restarts, last exit
 
 
 class RunOutput(msgspec.Struct, frozen=True):

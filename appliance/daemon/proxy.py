@@ -24,7 +24,10 @@ time, a broken channel) is killed: it restarts with the whole state, never with 
 
 applianced keeps its own copy of every crew's listening socket. If a worker dies, connections wait
 in the backlog or go to the other workers while it restarts; nothing is re-bound, so no other
-process can take a gateway's port in between. If applianced dies, every worker sees its channel
+process can take a gateway's port in between. A worker that exits is restarted after an
+exponential backoff, and its exit (status or signal, applianced's own reason if it killed it,
+its last lines on stderr) is logged, journaled (`on_exit`) and shown by `appliancectl status`:
+appliance/daemon/supervisor.py. If applianced dies, every worker sees its channel
 close and exits (fail closed: no proxy serves a policy nobody can change); the next applianced
 starts fresh ones.
 """
@@ -33,30 +36,47 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 import trio
 
+from native.scrub import Scrubber
 from proxycore import control
 from proxycore.config import ProxyConfig
 from proxycore.io.control_server import ChannelClient
 
 from .errors import Unavailable
+from .messages import WorkerStatus
+from .supervisor import (
+    RestartPolicy,
+    StderrTail,
+    WorkerExit,
+    effective_uid,
+    exit_status,
+    read_stderr,
+)
 
 log = logging.getLogger("applianced.proxy")
 
-RESTART_DELAY = 1.0
 # How long the events of a worker that has exited may still take to be read (its last batch).
 EVENTS_GRACE = 5.0
+# How long its last lines on stderr may take to arrive after it exited (they are in the pipe).
+STDERR_GRACE = 1.0
 # A worker that answers with one of these is out of step with the others (or hostile): killed.
 _CHANNEL_ERRORS = (trio.TooSlowError, trio.BrokenResourceError, OSError, msgspec.DecodeError)
 REQUEST_TIMEOUT = 15.0
 # What applianced does with a worker's events channel (the journal's ingest); returns at EOF.
 EventsReader = Callable[[trio.SocketStream, int], Awaitable[None]]
+DEFAULT_RESTART_POLICY = RestartPolicy()
+# Told of every exit of a worker (applianced journals it); must not block.
+ExitHook = Callable[[WorkerExit], None]
 
 
 class CrewEntry(msgspec.Struct, frozen=True):
@@ -72,14 +92,39 @@ class _Worker:
         self.index = index
         self.process: trio.Process | None = None
         self.client: ChannelClient | None = None
+        self.started = 0.0  # wall-clock time of the current life's start
+        self.killed_for: str | None = None  # applianced killed this life, for this reason
+        self.restarts = 0  # exits so far (each one is followed by a restart)
+        self.short_lives = 0  # exits in a row after less than RestartPolicy.stable
+        self.last_exit: WorkerExit | None = None
+        self.restart_at: float | None = None  # wall-clock time of the pending restart
 
     def kill(self, why: str) -> int | None:
         process = self.process
         if process is None or process.returncode is not None:
             return None
         log.error("proxy worker %d (pid %d): %s; killing it", self.index, process.pid, why)
+        if self.killed_for is None:
+            self.killed_for = why
         process.kill()
         return process.pid
+
+    def status(self, scrub: Callable[[str], str]) -> WorkerStatus:
+        process = self.process
+        running = process is not None and process.returncode is None and self.restart_at is None
+        last = self.last_exit
+        return WorkerStatus(
+            index=self.index,
+            pid=process.pid if running and process is not None else None,
+            uid=effective_uid(process.pid) if running and process is not None else None,
+            started=self.started if running else None,
+            restarts=self.restarts,
+            last_exit=scrub(last.reason) if last else None,
+            last_exit_time=last.ts if last else None,
+            last_stderr=last.stderr_tail[-1] if last and last.stderr_tail else None,
+            restart_at=self.restart_at,
+            backoff=last.restart_in if last and self.restart_at is not None else None,
+        )
 
 
 class ProxyPool:
@@ -92,6 +137,8 @@ class ProxyPool:
         workers: int = 1,
         drop_to: tuple[int, int] | None = None,
         events_reader: EventsReader | None = None,
+        restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
+        on_exit: ExitHook | None = None,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
         self.config = config
@@ -103,7 +150,14 @@ class ProxyPool:
         self.listeners: dict[str, socket.socket] = {}
         # Held by every change of the workers' state and by a worker's restore (see above).
         self.lock = trio.Lock()
-        self.restarts = 0
+        self.restarts = 0  # every worker's exits, summed
+        self.restart_policy = restart_policy
+        self.on_exit = on_exit
+        self._random = random.Random()
+        # Every line a worker writes on stderr, and every exit reason, passes through this
+        # before it is logged, kept or shown; applianced replaces it with the journal's (every
+        # stored credential) at start and after every credential change.
+        self.scrubber = Scrubber()
         self.audit_paused = False  # the journal is behind: crews are refused (docs/journal.md)
         # The crews' provider credentials, asked for afresh at every (re)start of a worker
         # (appliance/daemon/credentials.py): applianced keeps no plaintext between pushes.
@@ -169,6 +223,7 @@ class ProxyPool:
                     self._argv(worker, control_theirs.fileno(), events_theirs.fileno()),
                     pass_fds=(control_theirs.fileno(), events_theirs.fileno()),
                     stdin=open(os.devnull, "rb"),  # noqa: SIM115 (handed to the child)
+                    stderr=subprocess.PIPE,
                 )
             except BaseException:
                 for sock in (control_ours, events_ours):
@@ -177,26 +232,79 @@ class ProxyPool:
             finally:
                 control_theirs.close()
                 events_theirs.close()
-            worker.process = process
+            worker.process, worker.killed_for = process, None
+            worker.started, born = time.time(), trio.current_time()
             events = trio.SocketStream(trio.socket.from_stdlib_socket(events_ours))
-            # The reader runs until EOF, i.e. until the worker has exited and its last batch is
+            tail = StderrTail(self._scrub, relay=sys.stderr)
+            # The readers run until EOF, i.e. until the worker has exited and its last batch is
             # read, shielded from our cancellation (shutdown) so that a stopping worker's last
             # decisions still reach the journal; EVENTS_GRACE after the worker is gone, at most.
             reader_scope = trio.CancelScope(shield=True)
+            stderr_scope = trio.CancelScope(shield=True)
             async with trio.open_nursery() as life:
                 life.start_soon(self._read_events, reader_scope, events, worker.index)
+                life.start_soon(read_stderr, stderr_scope, process, tail)
                 try:
                     await self._live(worker, process, control_ours)
                 finally:
                     reader_scope.deadline = trio.current_time() + EVENTS_GRACE
-            log.error(
-                "proxy worker %d exited with %s; restarting in %.0f s",
-                worker.index,
-                process.returncode,
-                RESTART_DELAY,
-            )
-            self.restarts += 1
-            await trio.sleep(RESTART_DELAY)
+                    stderr_scope.deadline = trio.current_time() + STDERR_GRACE
+            gone = self._exited(worker, process, trio.current_time() - born, tail)
+            worker.restart_at = time.time() + gone.restart_in
+            try:
+                await trio.sleep(gone.restart_in)
+            finally:
+                worker.restart_at = None
+
+    def _scrub(self, text: str) -> str:
+        return self.scrubber.scrub_text(text)
+
+    def _exited(
+        self, worker: _Worker, process: trio.Process, uptime: float, stderr: StderrTail
+    ) -> WorkerExit:
+        """Count the exit, choose the backoff, and say why: logged, and to `on_exit`."""
+        assert process.returncode is not None
+        policy = self.restart_policy
+        if uptime >= policy.stable:
+            worker.short_lives = 0  # it had been serving: this crash starts a new count
+        worker.short_lives += 1
+        worker.restarts += 1
+        self.restarts += 1
+        code, signal_name = exit_status(process.returncode)
+        gone = WorkerExit(
+            worker=worker.index,
+            pid=process.pid,
+            ts=time.time(),
+            uptime=round(uptime, 3),
+            exit_code=code,
+            signal=signal_name,
+            killed_by=None if worker.killed_for is None else self._scrub(worker.killed_for),
+            stderr_tail=stderr.tail(),
+            restarts=worker.restarts,
+            restart_in=round(policy.delay(worker.short_lives, self._random), 3),
+        )
+        worker.last_exit = gone
+        tail = gone.stderr_tail
+        last_words = f"; its last line on stderr: {tail[-1]}" if tail else ""
+        log.error(
+            "proxy worker %d (pid %d) %s after %.1f s; restart %d in %.1f s%s",
+            worker.index,
+            process.pid,
+            gone.reason,
+            uptime,
+            worker.restarts,
+            gone.restart_in,
+            last_words,
+        )
+        if self.on_exit is not None:
+            try:
+                self.on_exit(gone)
+            except Exception:  # the journal's trouble must not stop the restart
+                log.exception("could not record the exit of proxy worker %d", worker.index)
+        return gone
+
+    def worker_status(self) -> tuple[WorkerStatus, ...]:
+        return tuple(worker.status(self._scrub) for worker in self.workers)
 
     async def _read_events(
         self, scope: trio.CancelScope, events: trio.SocketStream, index: int
@@ -216,8 +324,7 @@ class ProxyPool:
                     await self._restore(client)
                 worker.client = client
         except _CHANNEL_ERRORS as exc:
-            log.error("proxy worker %d did not come up: %s", worker.index, exc)
-            process.kill()
+            worker.kill(f"did not come up: {str(exc) or type(exc).__name__}")
         try:
             await process.wait()
         finally:

@@ -243,6 +243,28 @@ class ProxyNotice(Entry, frozen=True, tag="proxy.notice"):
         return f"proxy: {self.message}"
 
 
+class ProxyWorkerExited(Entry, frozen=True, tag="proxy.worker_exited"):
+    """A proxy worker exited and applianced restarts it after `restart_in` seconds
+    (appliance/daemon/supervisor.py). Not scoped to a crew: a worker serves every crew."""
+
+    worker: int
+    pid: int
+    reason: str
+    exit_code: int | None
+    signal: str | None
+    killed_by: str | None  # applianced killed it itself, for this reason
+    uptime: float
+    restarts: int
+    restart_in: float
+    stderr_tail: tuple[str, ...] = ()  # its last lines on stderr (scrubbed again on write)
+
+    def summary(self) -> str:
+        return (
+            f"proxy worker {self.worker} (pid {self.pid}) {self.reason} after "
+            f"{self.uptime:.1f} s; restart {self.restarts} in {self.restart_in:.1f} s"
+        )
+
+
 # -- control plane -----------------------------------------------------------------------------
 
 
@@ -357,6 +379,7 @@ AnyEntry = (
     | TunnelOpened
     | TunnelClosed
     | ProxyNotice
+    | ProxyWorkerExited
     | CommandExecuted
     | KeeperDecision
     | AllowlistChanged
@@ -382,6 +405,7 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         TunnelOpened,
         TunnelClosed,
         ProxyNotice,
+        ProxyWorkerExited,
         CommandExecuted,
         KeeperDecision,
         AllowlistChanged,

@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
@@ -38,6 +38,9 @@ from proxycore.protocol import events as pe
 
 from . import entries as E
 from .store import Journal, JournalFull
+
+if TYPE_CHECKING:
+    from appliance.daemon.supervisor import WorkerExit
 
 log = logging.getLogger("applianced.journal")
 
@@ -273,6 +276,20 @@ class JournalRecorder:
             E.CredentialPushFailed(
                 name=name, action=action, error=error, proxy_killed=proxy_killed, crew=crew,
                 agent=agent,
+            )
+        )  # fmt: skip
+
+    # -- the proxy's workers ---------------------------------------------------------------
+
+    def proxy_worker_exited(self, gone: WorkerExit) -> None:
+        """A worker exited (appliance/daemon/proxy.py): queued, never waited for, so that a
+        journal that is behind never delays the restart."""
+        self.record_nowait(
+            E.ProxyWorkerExited(
+                ts=gone.ts, worker=gone.worker, pid=gone.pid, reason=gone.reason,
+                exit_code=gone.exit_code, signal=gone.signal, killed_by=gone.killed_by,
+                uptime=gone.uptime, restarts=gone.restarts, restart_in=gone.restart_in,
+                stderr_tail=gone.stderr_tail,
             )
         )  # fmt: skip
 

@@ -165,7 +165,8 @@ class ChannelSink(BatchingSink):
     slower than the worker emits, `send_all` waits in this task only, the queue grows, and once
     it is half full `backlogged` tells the server to refuse crew traffic (503 audit_unavailable)
     until it drains: traffic is refused rather than left unaudited. A closed channel means
-    applianced is gone; the worker stops then anyway (its control channel closes too).
+    applianced is gone: the sink reports itself `backlogged` from then on (crew traffic is
+    refused, nothing can record it) and the worker stops when its control channel closes too.
     """
 
     def __init__(
@@ -180,6 +181,11 @@ class ChannelSink(BatchingSink):
             flush_interval=flush_interval, max_batch=max_batch, max_pending=max_pending
         )
         self._sock = sock
+        self._broken = False
+
+    @property
+    def backlogged(self) -> bool:
+        return self._broken or super().backlogged
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(self._sock))
@@ -189,7 +195,12 @@ class ChannelSink(BatchingSink):
                 await self._wait_for_batch()
                 data = self._take_batch()
                 if data is not None:
-                    await stream.send_all(data)
+                    try:
+                        await stream.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        # Nobody reads the events any more: refuse what cannot be recorded.
+                        self._broken = True
+                        await trio.sleep_forever()
         finally:
             # Cancelled (shutdown): the last batch, if the socket takes it within a second
             # (blocking here is fine: nothing else runs any more).

@@ -91,28 +91,29 @@ def parse_mode(value: str | None) -> tuple[NetworkMode, str | None]:
     )
 
 
-# From the source design's default allowlist (internal/sidecar/allowlist.go): the LLM provider
-# endpoints and the OAuth/login hosts their CLIs need.
-DEFAULT_ALLOWED_HOSTS: frozenset[str] = frozenset(
-    {
-        # Anthropic; console.* serves the OAuth refresh callback.
-        "api.anthropic.com",
-        "console.anthropic.com",
-        # OpenAI / Codex; auth.* is the ChatGPT-subscription login, chatgpt.com its routing.
-        "api.openai.com",
-        "auth.openai.com",
-        "chatgpt.com",
-        # Google / Gemini and its OAuth endpoints.
-        "generativelanguage.googleapis.com",
-        "oauth2.googleapis.com",
-        "accounts.google.com",
-        # Cursor; api2.* is the primary model gateway since 2026-Q1.
-        "api.cursor.sh",
-        "api2.cursor.sh",
-        # Factory Droid; api.* is legacy, app.* the CLI installer and API base.
-        "api.factory.ai",
-        "app.factory.ai",
-    }
+# The shipped default of `[policy] default_allow` (proxycore/config.py, docs/proxy.md "The
+# default allowlist"): the source design's default allowlist (internal/sidecar/allowlist.go),
+# the LLM provider endpoints and the OAuth/login hosts their CLIs need. Every crew in restricted
+# mode may reach these besides its own `allow`, unless the operator configures another list
+# (`default_allow = []` for none). In the order `appliancectl crew show` lists them.
+DEFAULT_ALLOWED_HOSTS: tuple[str, ...] = (
+    # Anthropic: the API; console.* serves the OAuth refresh callback (Claude Code's login).
+    "api.anthropic.com",
+    "console.anthropic.com",
+    # OpenAI / Codex: the API; auth.* is the ChatGPT-subscription login, chatgpt.com its routing.
+    "api.openai.com",
+    "auth.openai.com",
+    "chatgpt.com",
+    # Google / Gemini: the API, its OAuth token endpoint and the OAuth consent UI (redirects).
+    "generativelanguage.googleapis.com",
+    "oauth2.googleapis.com",
+    "accounts.google.com",
+    # Cursor: api2.* is the primary model gateway since 2026-Q1, api.* the previous one.
+    "api.cursor.sh",
+    "api2.cursor.sh",
+    # Factory Droid: api.* is legacy, app.* the CLI installer and API base.
+    "api.factory.ai",
+    "app.factory.ai",
 )
 
 RULE_MODE_FREE = "mode_free"
