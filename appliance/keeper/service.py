@@ -45,11 +45,13 @@ from appliance.keeper.ollama import ask_gatekeeper
 from appliance.runtime.base import ExecExited, ExecOutput, RuntimeProvider
 from native.scrub import Scrubber
 from proxycore.protocol.keeper import (
+    KEEPER_JSON_DEPTH,
     Action,
     KeeperRefused,
     Level,
     check_intent,
     fast_path_allows,
+    json_nesting_exceeds,
     parse_command,
 )
 
@@ -93,9 +95,13 @@ def env_name(credential: str) -> str:
 
 
 def _credential_named(body: bytes) -> str:
+    body = body[:MAX_BODY_BYTES]
+    # Untyped decoding recurses: a body nested deeper than any honest one is not read at all.
+    if json_nesting_exceeds(body, KEEPER_JSON_DEPTH):
+        return ""
     try:
-        fields = msgspec.json.decode(body[:MAX_BODY_BYTES])
-    except msgspec.DecodeError:
+        fields = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
         return ""
     name = fields.get("credential") if isinstance(fields, dict) else None
     return name[:64] if isinstance(name, str) else ""
