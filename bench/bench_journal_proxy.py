@@ -116,6 +116,8 @@ def run_host(args: argparse.Namespace) -> int:
                     mode="restricted",
                     allow=(common.UPSTREAM_HOST,),
                     listener=True,
+                    # The upstream is on this host's loopback: the crew names it.
+                    ssrf_allow=("127.0.0.1/32",),
                 ),
                 listener=listener,
             )

@@ -303,6 +303,8 @@ def ours_config(
             f'gateway = "{crew_gateway(index)}"',
             'mode = "restricted"',
             f"allow = [{allow_list}]",
+            # The upstream is on this host's loopback: only a crew that names it reaches it.
+            'ssrf_allow = ["127.0.0.1/32"]',
             "",
         ]
     table = resolve if resolve is not None else {host: "127.0.0.1" for host in allow}
