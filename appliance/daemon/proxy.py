@@ -35,7 +35,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -91,12 +91,17 @@ class ProxyPool:
         workers: int = 1,
         drop_to: tuple[int, int] | None = None,
         events_reader: EventsReader | None = None,
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
         self.config = config
         self.port = port
         self.drop_to = drop_to
         self.events_reader = events_reader
+        # The interpreter that runs `-m proxycore.worker`, and its environment (None: ours).
+        self.python = python
+        self.env = env
         self.workers = [_Worker(index) for index in range(workers)]
         self.crews: dict[str, CrewEntry] = {}
         self.listeners: dict[str, socket.socket] = {}
@@ -142,10 +147,9 @@ class ProxyPool:
 
     def _argv(self, worker: _Worker, control_fd: int, events_fd: int) -> list[str]:
         argv = [
-            sys.executable,
+            self.python,
             "-m",
-            "appliance.cli",
-            "proxy",
+            "proxycore.worker",
             "--config",
             str(self.config_path),
             "--control-fd",
@@ -168,6 +172,7 @@ class ProxyPool:
                     self._argv(worker, control_theirs.fileno(), events_theirs.fileno()),
                     pass_fds=(control_theirs.fileno(), events_theirs.fileno()),
                     stdin=open(os.devnull, "rb"),  # noqa: SIM115 (handed to the child)
+                    env=self.env,
                 )
             except BaseException:
                 for sock in (control_ours, events_ours):

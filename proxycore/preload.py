@@ -1,0 +1,132 @@
+"""Everything a proxy worker may import, loaded before it drops its privileges; then nothing more.
+
+Theory of operation
+-------------------
+A worker drops to an unprivileged UID once it has read what it needs (proxycore/worker.py). From
+then on the interpreter's own files may be out of its reach: a Python built under /root (pyenv,
+mode 0700), a virtualenv or a checkout in a private directory. An import that happens only
+then -- a codec looked up on first use, a module that a library imports inside a function --
+fails there and works where the files are world-readable (Debian's python3): the same request
+is a readable refusal on one install and a closed connection or a dead worker on another. It
+happened: a CONNECT authority with a trailing dot needs the `unicode_escape` codec to quote it
+in the 400, and compiling a granted credential into the scrubber needs `utf-16-be`.
+
+So, before the drop, `preload()` imports:
+
+- every module of the `encodings` package that imports on this platform: `str.encode(name)`,
+  `bytes.decode(name)` and `codecs.lookup(name)` import the codec's module on first use;
+- `STDLIB`: the standard modules that modules a worker has loaded import inside a function on a
+  path a worker can take (each with the reason);
+- `PACKAGES`: the same for the third-party packages the worker runs on.
+
+The lists were found by reading the import graph (every import inside a function of every module
+a worker has loaded: tests/test_worker_boot.py keeps that scan honest for our own and
+third-party modules) and by tracing workers driven through every route, refusal and credential
+change from an interpreter whose files the worker's UID cannot read (tests/test_worker_privdrop.py).
+
+Right after the drop, `guard()` puts a finder first on `sys.meta_path` that refuses every
+import that is not already done, with a ModuleNotFoundError naming the module, and says so once
+per module on standard error ("late import refused: X; ..."). The refusal is the same on every
+install, readable files or not, so a missed preload fails the tests on any machine instead of
+only on the one whose interpreter is out of reach. A refused codec surfaces as LookupError
+("unknown encoding") from `codecs.lookup`. Names under `encodings.` are refused without a word:
+the package is loaded whole, so any other name is not a codec (the lookup of an unknown encoding
+name tries to import it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import pkgutil
+import sys
+import types
+from collections.abc import Sequence
+
+# Imported inside a function by a module the worker has loaded, on a path a worker can take.
+STDLIB: tuple[str, ...] = (
+    "_strptime",  # time.strptime, datetime.strptime (C code imports it on first call)
+    "calendar",  # ssl.cert_time_to_seconds
+    "copy",  # weakref.WeakValueDictionary.copy, collections.UserDict.copy
+    "heapq",  # collections.Counter.most_common
+    "linecache",  # warnings and traceback: source lines of a warning or a traceback
+    "tokenize",  # linecache: the source encoding of a file it reads
+    "traceback",  # warnings (a warning's traceback), logging.exception
+    "tracemalloc",  # warnings: where the object of a ResourceWarning was allocated
+    "unicodedata",  # encodings.idna, re (\N{...}), urllib.parse (netloc checks), traceback
+    "stringprep",  # encodings.idna (nameprep)
+    "_locale",  # locale.getpreferredencoding, for a text file opened after the drop
+    "pwd",  # os.path.expanduser, pathlib.Path.owner
+    "grp",  # pathlib.Path.group, shutil.chown
+    "ast",  # traceback: the carets under the failing expression of a frame
+)
+
+# Imported inside a function by a third-party package the worker runs on.
+PACKAGES: tuple[str, ...] = (
+    "idna.uts46data",  # trio's getaddrinfo: idna.encode(host, uts46=True) of a non-ASCII name
+)
+
+# Refused without a word after the drop: loaded whole by `preload`.
+_WHOLE_PACKAGES = ("encodings.",)
+# At most this many distinct refused modules are named on standard error (a bug would repeat).
+MAX_REPORTED = 64
+
+
+def _encodings() -> list[str]:
+    import encodings
+
+    return [f"encodings.{info.name}" for info in pkgutil.iter_modules(encodings.__path__)]
+
+
+def preload() -> list[str]:
+    """Import every module a worker may need after its privileges are gone; returns the names
+    that do not import here (codecs of another platform, such as `encodings.mbcs`)."""
+    absent = []
+    for name in (*_encodings(), *STDLIB, *PACKAGES):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            absent.append(name)
+    return absent
+
+
+class LateImportGuard(importlib.abc.MetaPathFinder):
+    """Finds nothing, and says so: every import after the drop is a missed preload."""
+
+    def __init__(self) -> None:
+        self.refused: dict[str, int] = {}
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(_WHOLE_PACKAGES):
+            count = self.refused.get(fullname)
+            if count is not None:
+                self.refused[fullname] = count + 1
+            elif len(self.refused) < MAX_REPORTED:
+                self.refused[fullname] = 1
+                self._report(fullname)
+        raise ModuleNotFoundError(
+            f"late import refused: {fullname} (the worker has dropped its privileges)",
+            name=fullname,
+        )
+
+    def _report(self, fullname: str) -> None:
+        try:
+            sys.stderr.write(
+                f"late import refused: {fullname}; preload it in proxycore/preload.py\n"
+            )
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr closed: the refusal itself still stands
+            pass
+
+
+def guard() -> LateImportGuard:
+    """Refuse every import from now on (installed first on sys.meta_path)."""
+    finder = LateImportGuard()
+    sys.meta_path.insert(0, finder)
+    return finder
