@@ -29,9 +29,9 @@ import that is not already done, with a ModuleNotFoundError naming the module, a
 per module on standard error ("late import refused: X; ..."). The refusal is the same on every
 install, readable files or not, so a missed preload fails the tests on any machine instead of
 only on the one whose interpreter is out of reach. A refused codec surfaces as LookupError
-("unknown encoding") from `codecs.lookup`. Names under `encodings.` are refused without a word:
-the package is loaded whole, so any other name is not a codec (the lookup of an unknown encoding
-name tries to import it).
+("unknown encoding") from `codecs.lookup`. Refused without a word: the names that did not
+import before the drop either (`encodings.mbcs` on Linux), and names under `encodings.` that are
+no module of it (the lookup of an unknown encoding name tries to import it).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import pkgutil
 import sys
 import types
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 # Imported inside a function by a module the worker has loaded, on a path a worker can take.
 STDLIB: tuple[str, ...] = (
@@ -67,34 +68,46 @@ PACKAGES: tuple[str, ...] = (
     "idna.uts46data",  # trio's getaddrinfo: idna.encode(host, uts46=True) of a non-ASCII name
 )
 
-# Refused without a word after the drop: loaded whole by `preload`.
-_WHOLE_PACKAGES = ("encodings.",)
 # At most this many distinct refused modules are named on standard error (a bug would repeat).
 MAX_REPORTED = 64
 
 
-def _encodings() -> list[str]:
+@dataclass(frozen=True)
+class Preloaded:
+    """What `preload` found: the modules of `encodings`, and the names that do not import here
+    (codecs of another platform, such as `encodings.mbcs`)."""
+
+    codecs: frozenset[str]
+    absent: frozenset[str]
+
+    def expected_absent(self, name: str) -> bool:
+        """A refusal that is no missed preload: a name that did not import before the drop
+        either, or a codec name that is no module of `encodings` (a lookup of an unknown
+        encoding tries to import it)."""
+        if name in self.absent:
+            return True
+        return bool(self.codecs) and name.startswith("encodings.") and name not in self.codecs
+
+
+def preload() -> Preloaded:
+    """Import every module a worker may need after its privileges are gone."""
     import encodings
 
-    return [f"encodings.{info.name}" for info in pkgutil.iter_modules(encodings.__path__)]
-
-
-def preload() -> list[str]:
-    """Import every module a worker may need after its privileges are gone; returns the names
-    that do not import here (codecs of another platform, such as `encodings.mbcs`)."""
-    absent = []
-    for name in (*_encodings(), *STDLIB, *PACKAGES):
+    codecs = [f"encodings.{info.name}" for info in pkgutil.iter_modules(encodings.__path__)]
+    absent = set()
+    for name in (*codecs, *STDLIB, *PACKAGES):
         try:
             importlib.import_module(name)
         except ImportError:
-            absent.append(name)
-    return absent
+            absent.add(name)
+    return Preloaded(frozenset(codecs), frozenset(absent))
 
 
 class LateImportGuard(importlib.abc.MetaPathFinder):
     """Finds nothing, and says so: every import after the drop is a missed preload."""
 
-    def __init__(self) -> None:
+    def __init__(self, preloaded: Preloaded | None = None) -> None:
+        self.preloaded = preloaded
         self.refused: dict[str, int] = {}
 
     def find_spec(
@@ -103,7 +116,7 @@ class LateImportGuard(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None = None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        if not fullname.startswith(_WHOLE_PACKAGES):
+        if self.preloaded is None or not self.preloaded.expected_absent(fullname):
             count = self.refused.get(fullname)
             if count is not None:
                 self.refused[fullname] = count + 1
@@ -125,8 +138,9 @@ class LateImportGuard(importlib.abc.MetaPathFinder):
             pass
 
 
-def guard() -> LateImportGuard:
-    """Refuse every import from now on (installed first on sys.meta_path)."""
-    finder = LateImportGuard()
+def guard(preloaded: Preloaded | None = None) -> LateImportGuard:
+    """Refuse every import from now on (installed first on sys.meta_path); name each refused
+    module on standard error unless `preloaded` expects it to be absent."""
+    finder = LateImportGuard(preloaded)
     sys.meta_path.insert(0, finder)
     return finder

@@ -100,9 +100,9 @@ def run_worker(
     # Built before the drop: it reads the CA bundle and any credential file while it still can.
     runtime = ProxyRuntime(config, sink)
     if drop_to is not None:
-        preload.preload()
+        preloaded = preload.preload()
         drop_privileges(*drop_to)
-        preload.guard()
+        preload.guard(preloaded)
 
     async def main() -> None:
         channel = None
