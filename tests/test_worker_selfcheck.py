@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.daemon.doctor import _is_worker as is_worker
 from appliance.daemon.proxy import CrewEntry, ProxyPool
 from proxycore import control
 from proxycore.config import parse_config
@@ -60,6 +61,7 @@ def test_every_worker_is_unprivileged_by_the_kernels_account(tmp_path: Path) -> 
             assert worker_facts(pid) == UNPRIVILEGED, pid
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert argv[1:3] == [b"-m", b"proxycore.worker"] and b"1002:1002" in argv, argv
+            assert is_worker(str(pid))  # `appliancectl doctor` knows it for a worker
             # Not dumpable: the kernel makes its /proc files root's (proc(5)), and another
             # process of the workers' own UID can neither read its memory nor its environment.
             assert os.stat(f"/proc/{pid}/environ").st_uid == 0
