@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -328,7 +329,11 @@ def test_workers_serve_every_path_without_reading_their_interpreter(
         silent.close()
     stderr = capfd.readouterr().err
     assert "late import refused" not in stderr, stderr
-    assert "Traceback" not in stderr, stderr
+    # (the fake upstreams run in this process: socketserver reports a peer's reset its way)
+    workers = re.sub(
+        r"-{40}\nException occurred during processing.*?\n-{40}\n", "", stderr, flags=re.S
+    )
+    assert "Traceback" not in workers, stderr
     assert stderr.count("listening on") == 2, stderr
 
     events = runner.decoded_events()
@@ -563,8 +568,14 @@ def _control_messages(runner: PoolThread, pool: ProxyPool, port: int) -> None:
         except Unavailable as exc:  # refused with a reason: fine; a dead worker is not
             assert "refused" in str(exc), exc
     runner.call(pool.remove_crew, "gamma")
-    with pytest.raises(OSError):
-        http_exchange((GATEWAY_C, port), get(b"/_appliance/health"), timeout=2)
+    # Nothing serves the gateway any more (a connection the closing listener still queued is
+    # closed without an answer).
+    try:
+        with socket.create_connection((GATEWAY_C, port), timeout=5) as sock:
+            sock.sendall(get(b"/_appliance/health"))
+            assert _read_to_eof(sock) == b""
+    except ConnectionRefusedError:
+        pass
 
 
 def _injection(
