@@ -19,10 +19,13 @@ So, before the drop, `preload()` imports:
   path a worker can take (each with the reason);
 - `PACKAGES`: the same for the third-party packages the worker runs on.
 
-The lists were found by reading the import graph (every import inside a function of every module
-a worker has loaded: tests/test_worker_boot.py keeps that scan honest for our own and
-third-party modules) and by tracing workers driven through every route, refusal and credential
-change from an interpreter whose files the worker's UID cannot read (tests/test_worker_privdrop.py).
+How the lists were found: workers traced with PYTHONPROFILEIMPORTTIME through every route,
+refusal and credential change imported only codecs after start-up (`unicode_escape`, and
+`utf-16-be` when no key was configured at start); `STDLIB` and `PACKAGES` come from the import
+graph (every import inside a function of every module a worker has loaded), and some of their
+entries are loaded by other imports today, listed so that a change elsewhere cannot unload
+them. tests/test_worker_boot.py re-reads that graph on every run, and
+tests/test_worker_privdrop.py drives the workers from an interpreter their UID cannot read.
 
 Right after the drop, `guard()` puts a finder first on `sys.meta_path` that refuses every
 import that is not already done, with a ModuleNotFoundError naming the module, and says so once
