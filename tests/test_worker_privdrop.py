@@ -25,9 +25,8 @@ import shutil
 import socket
 import ssl
 import tempfile
-import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,18 +36,22 @@ from appliance.daemon.errors import Unavailable
 from appliance.daemon.proxy import CrewEntry, ProxyPool
 from appliance.demo_upstream import FakeServer
 from appliance.keeper.channel import KeeperChannel, new_token
-from appliance.keeper.service import Answer as KeeperAnswer
 from proxycore import control
-from proxycore.config import ProxyConfig, parse_config
 from proxycore.protocol.keeper import Action
 from tests.conftest import free_port
 from tests.worker_support import (
     WORKER_IDS,
-    Answer,
     PoolThread,
+    RawUpstream,
+    StubKeeperService,
     as_worker_uid,
+    get,
     http_exchange,
     parse_answer,
+    pool_config,
+    post,
+    read_to_eof,
+    readable,
     unreadable_interpreter,
 )
 
@@ -133,96 +136,6 @@ def _run_as_root(argv: list[str], env: dict[str, str]) -> str:
     return done.stdout
 
 
-class RawUpstream:
-    """A loopback TCP server that answers every connection with `answer` (None: never)."""
-
-    def __init__(self, answer: bytes | None) -> None:
-        self.answer = answer
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.sock.getsockname()[1])
-        self.held: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            if self.answer is None:
-                self.held.append(conn)  # silent: read nothing, answer nothing
-                continue
-            with conn:
-                conn.settimeout(5)
-                try:
-                    conn.recv(65536)
-                    conn.sendall(self.answer)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.held:
-            conn.close()
-
-
-def pool_config(port: int, provider_port: int, ca_file: str, ports: dict[str, int]) -> ProxyConfig:
-    resolve = {
-        name: "127.0.0.1"
-        for name in (
-            "api.anthropic.test",
-            "api.openai.test",
-            "generativelanguage.googleapis.test",
-            "plain.test",
-            "bad.test",
-            "silent.test",
-            "closed.test",
-        )
-    }
-    resolve |= {"metadata.test": "169.254.169.254", "private.test": "10.1.2.3"}
-    return parse_config(
-        f"""
-[listen]
-port = {port}
-
-[limits]
-head_timeout = 1.0
-read_timeout = 2.0
-max_connections_per_crew = {PER_CREW}
-
-# No key of its own, as under applianced: the keys come from the store (credentials_set), so
-# the first grant compiles the scrubber after the drop.
-[providers.anthropic]
-base_url = "https://api.anthropic.test:{provider_port}"
-
-[providers.openai]
-base_url = "https://api.openai.test:{provider_port}/v1"
-
-[providers.google]
-base_url = "https://generativelanguage.googleapis.test:{provider_port}"
-
-[upstream]
-ca_file = "{ca_file}"
-ssrf_allow = ["127.0.0.0/8"]
-resolve = {json.dumps(resolve).replace('":', '" =')}
-""",
-        source=f"ports {ports}",
-    )
-
-
-class StubKeeperService:
-    """applianced's keeper decisions (KeeperService.handle), minus the store and the model."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Action, str, object]] = []
-
-    async def handle(self, action: Action, crew: str, body: bytes) -> tuple[int, KeeperAnswer]:
-        self.calls.append((action, crew, json.loads(body)))
-        if action is Action.REQUEST:
-            return 200, KeeperAnswer("allow", "granted by the test", value="kept-value")
-        return 200, KeeperAnswer("allow", "ran", exit_code=0, stdout="h\u00e9llo\n")
-
-
 @pytest.fixture
 def keeper_dir() -> Iterator[Path]:
     # Reachable by UID 1002 (pytest's own temporary directories are root's 0700).
@@ -232,25 +145,6 @@ def keeper_dir() -> Iterator[Path]:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def readable(answer: Answer, statuses: Collection[int], what: object) -> dict[str, object]:
-    assert answer.status in statuses, (what, answer.status, answer.body[:300])
-    assert answer.header(b"content-type") == b"application/json", (what, answer.head)
-    body = answer.json()
-    assert isinstance(body, dict) and body.get("error"), (what, body)
-    return body
-
-
-def get(target: bytes, host: bytes = b"x", extra: bytes = b"") -> bytes:
-    return b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n%s\r\n" % (target, host, extra)
-
-
-def post(target: bytes, body: bytes = b"{}", extra: bytes = b"") -> bytes:
-    return (
-        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n%s\r\n%s" % (target, len(body), extra, body)
-    )
 
 
 def test_workers_serve_every_path_without_reading_their_interpreter(
@@ -269,7 +163,7 @@ def test_workers_serve_every_path_without_reading_their_interpreter(
     closed = free_port()  # nothing listens there
     port = free_port()
     ports = {"bad": bad.port, "silent": silent.port, "closed": closed}
-    config = pool_config(port, provider.port, ca_file, ports)
+    config = pool_config(port, provider.port, ca_file, ports, per_crew=PER_CREW)
     pool = ProxyPool(config, tmp_path, port, workers=2, drop_to=WORKER_IDS, python=python, env=env)
     credentials: dict[str, dict[str, str]] = {}
     pool.credentials_source = lambda: credentials
@@ -500,7 +394,7 @@ def _overload_and_audit(runner: PoolThread, pool: ProxyPool, b: tuple[str, int])
             ready, _, _ = select.select(waiting, [], [], 0.5)
             for sock in ready:
                 waiting.remove(sock)
-                answered.append(_read_to_eof(sock))
+                answered.append(read_to_eof(sock))
         assert len(answered) >= 4, answered
         for data in answered:
             body = readable(parse_answer(data), {503}, "overloaded")
@@ -517,17 +411,6 @@ def _overload_and_audit(runner: PoolThread, pool: ProxyPool, b: tuple[str, int])
         runner.call(pool.set_audit_paused, False)
 
 
-def _read_to_eof(sock: socket.socket) -> bytes:
-    data = bytearray()
-    sock.settimeout(5)
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except OSError:
-        pass
-    return bytes(data)
-
-
 def _tunnels(
     a: tuple[str, int], provider: FakeServer, plain_host: FakeServer, ca: trustme.CA
 ) -> None:
@@ -542,13 +425,13 @@ def _tunnels(
         with context.wrap_socket(sock, server_hostname="api.anthropic.test") as tls:
             tls.sendall(get(b"/v1/models", b"api.anthropic.test"))
             # Read to the end: a close with unread bytes would reset the tunnel.
-            assert _read_to_eof(tls).startswith(b"HTTP/1.1 200 ")
+            assert read_to_eof(tls).startswith(b"HTTP/1.1 200 ")
     with socket.create_connection(a, timeout=10) as sock:
         sock.sendall(
             b"CONNECT plain.test:%d HTTP/1.1\r\nHost: plain.test\r\n\r\n" % plain_host.port
             + get(b"/tunnelled", b"plain.test")  # sent before the 200: relayed after it
         )
-        data = _read_to_eof(sock)
+        data = read_to_eof(sock)
         assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.") == 2, data[:300]
 
 
@@ -573,7 +456,7 @@ def _control_messages(runner: PoolThread, pool: ProxyPool, port: int) -> None:
     try:
         with socket.create_connection((GATEWAY_C, port), timeout=5) as sock:
             sock.sendall(get(b"/_appliance/health"))
-            assert _read_to_eof(sock) == b""
+            assert read_to_eof(sock) == b""
     except ConnectionRefusedError:
         pass
 

@@ -10,7 +10,10 @@
   UID 1002, crews' listeners bound by the parent) and, optionally, applianced's real keeper
   channel, in a trio loop on a thread of its own, so that a test drives them with ordinary
   blocking sockets; the workers' events are collected as they arrive.
-- `http_exchange` / `Answer`: one request on a raw socket, the answer read to EOF.
+- `http_exchange` / `Answer`: one request on a raw socket, the answer read to EOF; `readable`
+  holds a refusal to a status and a JSON body that says why.
+- `RawUpstream` (an upstream that answers garbage, or nothing), `StubKeeperService` (the
+  keeper's decisions without the store and the model), `pool_config`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,6 +35,9 @@ import trio
 
 from appliance.daemon.proxy import ProxyPool
 from appliance.keeper.channel import KeeperChannel
+from appliance.keeper.service import Answer as KeeperAnswer
+from proxycore.config import ProxyConfig, parse_config
+from proxycore.protocol.keeper import Action
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_IDS = (1002, 1002)
@@ -225,3 +231,127 @@ def _dechunk(data: bytes) -> bytes:
             return bytes(out)
         out += rest[:size]
         data = rest[size + 2 :]
+
+
+class RawUpstream:
+    """A loopback TCP server that answers every connection with `answer` (None: never)."""
+
+    def __init__(self, answer: bytes | None) -> None:
+        self.answer = answer
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.answer is None:
+                self.held.append(conn)  # silent: read nothing, answer nothing
+                continue
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(65536)
+                    conn.sendall(self.answer)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+class StubKeeperService:
+    """applianced's keeper decisions (KeeperService.handle), minus the store and the model."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Action, str, object]] = []
+
+    async def handle(self, action: Action, crew: str, body: bytes) -> tuple[int, KeeperAnswer]:
+        self.calls.append((action, crew, json.loads(body)))
+        if action is Action.REQUEST:
+            return 200, KeeperAnswer("allow", "granted by the test", value="kept-value")
+        return 200, KeeperAnswer("allow", "ran", exit_code=0, stdout="h\u00e9llo\n")
+
+
+def readable(answer: Answer, statuses: Collection[int], what: object) -> dict[str, object]:
+    assert answer.status in statuses, (what, answer.status, answer.body[:300])
+    assert answer.header(b"content-type") == b"application/json", (what, answer.head)
+    body = answer.json()
+    assert isinstance(body, dict) and body.get("error"), (what, body)
+    return body
+
+
+def get(target: bytes, host: bytes = b"x", extra: bytes = b"") -> bytes:
+    return b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n%s\r\n" % (target, host, extra)
+
+
+def post(target: bytes, body: bytes = b"{}", extra: bytes = b"") -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n%s\r\n%s" % (target, len(body), extra, body)
+    )
+
+
+def read_to_eof(sock: socket.socket) -> bytes:
+    data = bytearray()
+    sock.settimeout(5)
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    return bytes(data)
+
+
+def pool_config(
+    port: int, provider_port: int, ca_file: str, ports: dict[str, int], *, per_crew: int
+) -> ProxyConfig:
+    """The fake providers (no key of their own), the test upstreams' names in the static
+    table, short timeouts."""
+    resolve = {
+        name: "127.0.0.1"
+        for name in (
+            "api.anthropic.test",
+            "api.openai.test",
+            "generativelanguage.googleapis.test",
+            "plain.test",
+            "bad.test",
+            "silent.test",
+            "closed.test",
+        )
+    }
+    resolve |= {"metadata.test": "169.254.169.254", "private.test": "10.1.2.3"}
+    return parse_config(
+        f"""
+[listen]
+port = {port}
+
+[limits]
+head_timeout = 1.0
+read_timeout = 2.0
+max_connections_per_crew = {per_crew}
+
+# No key of its own, as under applianced: the keys come from the store (credentials_set), so
+# the first grant compiles the scrubber after the drop.
+[providers.anthropic]
+base_url = "https://api.anthropic.test:{provider_port}"
+
+[providers.openai]
+base_url = "https://api.openai.test:{provider_port}/v1"
+
+[providers.google]
+base_url = "https://generativelanguage.googleapis.test:{provider_port}"
+
+[upstream]
+ca_file = "{ca_file}"
+ssrf_allow = ["127.0.0.0/8"]
+resolve = {json.dumps(resolve).replace('":', '" =')}
+""",
+        source=f"ports {ports}",
+    )
