@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -26,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from proxycore import control
     from proxycore.config import ProxyConfig
-    from proxycore.io.sinks import EventSink
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_NOT_FOUND, EXIT_CONFLICT, EXIT_UNREACHABLE = 3, 4, 5
@@ -53,140 +50,15 @@ class _Output:
         return code
 
 
-def make_sink(config: ProxyConfig, worker: int = 0) -> EventSink:
-    from proxycore.io.sinks import JsonLinesSink, NullSink
-
-    events = config.events
-    if events.path is None:
-        return NullSink()
-    return JsonLinesSink(
-        events.path,
-        flush_interval=events.flush_interval,
-        max_batch=events.max_batch,
-        max_pending=events.max_pending,
-    )
-
-
-def _raise_fd_limit() -> None:
-    # Every tunnel holds two sockets and two pipes; the default soft limit (1024) is too low.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def run_proxy_worker(
-    config: ProxyConfig,
-    worker: int,
-    control_channel: socket.socket | None = None,
-    *,
-    events_channel: socket.socket | None = None,
-    drop_to: tuple[int, int] | None = None,
-) -> None:
-    import trio
-
-    from appliance.hardening import drop_privileges, forbid_core_dumps
-    from native import headscan
-    from native.scrub import native_missing_notice
-    from proxycore.io.listener import serve
-    from proxycore.io.sinks import ChannelSink
-    from proxycore.runtime import ProxyRuntime
-
-    # The proxy holds every key it injects: no core dump, no ptrace, /proc/PID root-only.
-    forbid_core_dumps()
-    _raise_fd_limit()
-    sink = (
-        make_sink(config, worker)
-        if events_channel is None
-        else ChannelSink(
-            events_channel,
-            flush_interval=config.events.flush_interval,
-            max_batch=config.events.max_batch,
-            max_pending=config.events.max_pending,
-        )
-    )
-    # Built before the drop: it reads the CA bundle and any credential file while it still can.
-    runtime = ProxyRuntime(config, sink)
-    if drop_to is not None:
-        _preload_for_unprivileged()
-        # From here on: UID drop_to[0], no capability, no_new_privs (appliance/hardening.py).
-        drop_privileges(*drop_to)
-
-    async def main() -> None:
-        channel = None
-        if control_channel is not None:
-            channel = trio.SocketStream(trio.socket.from_stdlib_socket(control_channel))
-        async with trio.open_nursery() as nursery:
-
-            async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
-                # serve() returns when its control channel closes (the parent is gone).
-                await serve(
-                    config, sink, control_channel=channel, runtime=runtime, task_status=task_status
-                )
-                nursery.cancel_scope.cancel()
-
-            await nursery.start(serve_then_stop)
-            where = ", ".join(
-                f"{address}:{config.listen.port}"
-                for address in dict.fromkeys(
-                    [*(c.gateway for c in config.crew), *config.listen.addresses]
-                )
-            )
-            print(f"proxy worker {worker}: listening on {where}", file=sys.stderr, flush=True)
-            notice = native_missing_notice()
-            if worker == 0 and notice:
-                print(f"proxy: {notice}", file=sys.stderr, flush=True)
-            if worker == 0 and not headscan.AVAILABLE:
-                # Said once: the reference parser serves, correct but slower.
-                print(
-                    "proxy: native head scanner not built (no C compiler at install?); "
-                    "using the Python parser",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    return
-
-    trio.run(main)
-
-
-def _preload_for_unprivileged() -> None:
-    """Import now what the proxy would otherwise import on first use: after the privilege drop
-    the interpreter's own files may be out of reach (a Python under /root, a checkout in a
-    0700 directory), and an import that fails there would fail a request."""
-    import encodings.idna  # noqa: F401  (host names: socket.getaddrinfo, ssl)
-    import stringprep  # noqa: F401  (by encodings.idna)
-    import unicodedata  # noqa: F401  (by encodings.idna)
-
-
-def _load_proxy_config(path: str) -> ProxyConfig:
-    """TOML, or JSON for a file applianced generated (the same Struct tree, same checks)."""
-    from proxycore.config import ProxyConfig, load_config, validate
-    from proxycore.errors import ConfigError
-
-    if not path.endswith(".json"):
-        return load_config(path)
-    import msgspec
-
-    try:
-        config = msgspec.json.decode(Path(path).read_bytes(), type=ProxyConfig)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    validate(config, source=path)
-    return config
-
-
 def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
-    from proxycore.config import validate
+    """The standalone proxy (no applianced): one worker in this process, or `--workers N`
+    forked by appliance/proxy_supervisor.py. applianced's workers are `python -m
+    proxycore.worker` processes of their own (appliance/daemon/proxy.py)."""
+    from proxycore.config import load_config, validate
     from proxycore.errors import ConfigError, ProxyError
 
     try:
-        config = _load_proxy_config(args.config)
+        config = load_config(args.config)
         warnings = validate(config, source=args.config)
     except ConfigError as exc:
         return out.error(str(exc), EXIT_USAGE)
@@ -203,29 +75,11 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
         out.result(f"{args.config}: ok", {"ok": True, "warnings": warnings})
         return EXIT_OK
     try:
-        if args.control_fd is not None:
-            # A child of applianced: policy, crews and their listening sockets arrive over this
-            # socketpair; the proxy stops when applianced closes it.
-            if workers != 1:
-                return out.error("argument --control-fd: needs a single worker", EXIT_USAGE)
-            try:
-                channel = socket.socket(fileno=args.control_fd)
-                events = None if args.events_fd is None else socket.socket(fileno=args.events_fd)
-            except OSError as exc:
-                return out.error(f"argument --control-fd/--events-fd: {exc.strerror}", EXIT_USAGE)
-            run_proxy_worker(
-                config,
-                args.worker_index,
-                control_channel=channel,
-                events_channel=events,
-                drop_to=args.drop_to,
-            )
-            return EXIT_OK
-        if args.events_fd is not None or args.drop_to is not None:
-            return out.error("arguments --events-fd and --drop-to: need --control-fd", EXIT_USAGE)
         if workers == 1:
-            # Bind before announcing readiness so a caller that sees "listening" can connect.
-            run_proxy_worker(config, 0)
+            from proxycore.worker import run_worker
+
+            # Binds before announcing readiness, so a caller that sees "listening" can connect.
+            run_worker(config, 0)
             return EXIT_OK
         return _run_workers(config, workers)
     except ConfigError as exc:
@@ -1015,13 +869,6 @@ def _add_admin_parsers(commands: Any) -> None:
     )
 
 
-def _uid_gid(text: str) -> tuple[int, int]:
-    uid, sep, gid = text.partition(":")
-    if not (sep and uid.isdigit() and gid.isdigit()) or int(uid) == 0 or int(gid) == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not UID:GID (numbers, not 0)")
-    return int(uid), int(gid)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="appliancectl", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -1033,26 +880,6 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--config", required=True, help="TOML configuration file")
     proxy.add_argument("--workers", type=int, default=0, help="worker processes (SO_REUSEPORT)")
     proxy.add_argument("--check", action="store_true", help="validate the config and exit")
-    proxy.add_argument(
-        "--control-fd",
-        type=int,
-        default=None,
-        help="a socketpair end inherited from applianced: control messages and crew listeners",
-    )
-    proxy.add_argument(
-        "--events-fd",
-        type=int,
-        default=None,
-        help="a socketpair end inherited from applianced: the worker's events, as JSON lines",
-    )
-    proxy.add_argument(
-        "--drop-to",
-        type=_uid_gid,
-        default=None,
-        metavar="UID:GID",
-        help="after start-up, become UID:GID with no capabilities and no_new_privs",
-    )
-    proxy.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     proxy.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )

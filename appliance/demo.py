@@ -460,7 +460,7 @@ def _tour(tour: Tour, app: DemoAppliance) -> FakeServer:
 
 
 def _proc_status(pid: int) -> dict[str, str]:
-    from appliance.hardening import process_status
+    from proxycore.privileges import process_status
 
     try:
         return process_status(pid)

@@ -150,13 +150,29 @@ class _Handler(BaseHTTPRequestHandler):
         self.fake.connections += 1
 
     def _record(self) -> bytes:
-        length = int(self.headers.get("content-length") or 0)
-        body = self.rfile.read(length) if length else b""
+        if "chunked" in (self.headers.get("transfer-encoding") or "").lower():
+            body = self._read_chunked()
+        else:
+            length = int(self.headers.get("content-length") or 0)
+            body = self.rfile.read(length) if length else b""
         headers: dict[str, list[str]] = {}
         for name, value in self.headers.items():
             headers.setdefault(name.lower(), []).append(value)
         self.fake.received.append(Received(self.command, self.path, headers, body))
         return body
+
+    def _read_chunked(self) -> bytes:
+        """A chunked request body (RFC 9112 7.1.3): sizes, data, then the trailer section."""
+        body = bytearray()
+        while True:
+            size = int(self.rfile.readline(1024).split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:
+                break
+            body += self.rfile.read(size)
+            self.rfile.readline(16)  # the CRLF after the data
+        while self.rfile.readline(8192) not in (b"\r\n", b"\n", b""):
+            pass  # trailer fields: not kept
+        return bytes(body)
 
     def _json(self, status: int, obj: Any, extra: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()

@@ -27,9 +27,9 @@ from proxycore.io.control_server import ControlClient, serve_control_socket
 
 
 def _worker_main(config: ProxyConfig, index: int, channel: socket.socket) -> None:
-    from appliance.cli import run_proxy_worker
+    from proxycore.worker import run_worker
 
-    run_proxy_worker(config, index, control_channel=channel)
+    run_worker(config, index, control_channel=channel)
 
 
 def run_supervised(config: ProxyConfig, workers: int) -> int:

@@ -1,9 +1,9 @@
 """Proxy requests/s with journaling on against off (issue 6: "under 10 % cost").
 
-One real proxy worker, as applianced runs it (`appliance.cli proxy --control-fd C [--events-fd
-E]`, its crew and listening socket sent over the control channel), pinned to core 0; wrk and
-nginx on core 1, as in bench_forward.py. The worker is driven by a host process (this script
-with `--host`) that plays applianced's part:
+One real proxy worker, as applianced runs it (`python -m proxycore.worker --control-fd C
+[--events-fd E]`, its crew and listening socket sent over the control channel), pinned to core
+0; wrk and nginx on core 1, as in bench_forward.py. The worker is driven by a host process
+(this script with `--host`) that plays applianced's part:
 
 - on: the worker gets `--events-fd`; its events (one `request_allowed` per request: the worst
   case, every request is a journaled decision) come over the socketpair and the host journals
@@ -84,7 +84,7 @@ def run_host(args: argparse.Namespace) -> int:
     async def main() -> None:
         control_ours, control_theirs = socket.socketpair()
         events_ours, events_theirs = socket.socketpair()
-        argv = [sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config)]
+        argv = [sys.executable, "-m", "proxycore.worker", "--config", str(config)]
         argv += ["--control-fd", str(control_theirs.fileno())]
         pass_fds = [control_theirs.fileno()]
         if args.host == "on":

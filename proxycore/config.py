@@ -198,11 +198,22 @@ def parse_config(text: str | bytes, *, source: str = "<config>") -> ProxyConfig:
 
 
 def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
+    """A TOML file, or the JSON that applianced writes for its workers (`.json`: the same Struct
+    tree, the same checks)."""
     try:
         text = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    return parse_config(text, source=str(path))
+    if not str(path).endswith(".json"):
+        return parse_config(text, source=str(path))
+    try:
+        config = msgspec.json.decode(text, type=ProxyConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    validate(config, source=str(path))
+    return config
 
 
 def validate(config: ProxyConfig, *, source: str) -> list[str]:

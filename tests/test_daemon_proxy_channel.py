@@ -63,8 +63,7 @@ def test_crew_added_and_removed_over_the_channel(
         [
             sys.executable,
             "-m",
-            "appliance.cli",
-            "proxy",
+            "proxycore.worker",
             "--config",
             str(config),
             "--control-fd",

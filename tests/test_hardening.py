@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -13,14 +14,25 @@ from tests.conftest import RunningProxy
 
 
 def exchange(proxy: RunningProxy, data: bytes, *, timeout: float = 10) -> bytes:
+    """Send `data` while reading the answer: the proxy may answer (and close) before a large
+    body is all sent, as a server may (RFC 9112 9.6)."""
+
+    def send(sock: socket.socket) -> None:
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass  # the proxy closed first; its answer is already on its way
+
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=timeout) as sock:
-        sock.sendall(data)
+        sender = threading.Thread(target=send, args=(sock,), daemon=True)
+        sender.start()
         received = b""
         try:
             while chunk := sock.recv(65536):
                 received += chunk
         except ConnectionResetError:
             pass
+        sender.join(timeout)
     return received
 
 

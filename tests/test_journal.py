@@ -353,7 +353,7 @@ def test_the_proxy_refuses_crew_traffic_while_audit_is_paused(
     ours, theirs = socket.socketpair()
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config)),
+            *(sys.executable, "-m", "proxycore.worker", "--config", str(config)),
             *("--control-fd", str(theirs.fileno())),
         ],
         env=proxy_env(),

@@ -64,7 +64,7 @@ class Proxy:
         self.channel, theirs = socket.socketpair()
         self.process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "appliance.cli", "proxy", "--config", str(config)),
+                *(sys.executable, "-m", "proxycore.worker", "--config", str(config)),
                 *("--control-fd", str(theirs.fileno())),
             ],
             env=proxy_env(),

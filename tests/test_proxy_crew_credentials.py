@@ -30,7 +30,7 @@ def core_limit(pid: int) -> tuple[str, str]:
 
 def test_forbid_core_dumps() -> None:
     code = (
-        "from appliance.hardening import forbid_core_dumps, is_dumpable\n"
+        "from proxycore.privileges import forbid_core_dumps, is_dumpable\n"
         "import resource\n"
         "assert is_dumpable()\n"
         "forbid_core_dumps()\n"
@@ -75,8 +75,7 @@ def test_credentials_set_per_crew_rotation_and_scrubbing(
         [
             sys.executable,
             "-m",
-            "appliance.cli",
-            "proxy",
+            "proxycore.worker",
             "--config",
             str(config),
             "--control-fd",
@@ -146,7 +145,7 @@ def test_credentials_set_per_crew_rotation_and_scrubbing(
 
         # The proxy process: not dumpable, no core limit, no value in argv or environment.
         request(ours, control.CredentialsSet(crews={"alpha": {"anthropic": KEY_ONE}}))
-        # (RLIMIT_CORE and the dumpable flag are set by one call, hardening.forbid_core_dumps,
+        # (RLIMIT_CORE and the dumpable flag are set by one call, privileges.forbid_core_dumps,
         # whose effect on the flag test_forbid_core_dumps checks in a process of its own.)
         assert core_limit(process.pid) == ("0", "0")
         for name in ("cmdline", "environ"):

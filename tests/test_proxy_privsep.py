@@ -1,7 +1,7 @@
 """The proxy's privilege separation, through a real applianced and a real Docker crew.
 
 applianced starts `[proxy] workers` worker processes that drop to UID/GID 1002 with every
-capability set empty and no_new_privs (appliance/hardening.py). These tests read what the kernel
+capability set empty and no_new_privs (proxycore/privileges.py). These tests read what the kernel
 says about each worker (/proc/PID/status), try to reach a worker's memory and the credential store
 from inside a crew and, on the host, from another process of the workers' own UID, and check that
 the workers share the crews' connections and that one worker's death leaves the crew served.
@@ -24,7 +24,7 @@ import pytest
 from appliance.daemon.config import load_config
 from appliance.daemon.main import KEEPER_SOCKET, keeper_dir
 from appliance.demo_upstream import FakeServer
-from appliance.hardening import CAPABILITY_FIELDS, process_status
+from proxycore.privileges import CAPABILITY_FIELDS, process_status
 from tests.daemon_support import REACH_TEST_HOSTS, Appliance
 
 pytestmark = pytest.mark.docker

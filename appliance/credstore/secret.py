@@ -4,7 +4,7 @@ Python cannot promise that no copy of a value survives (the decrypted `bytes`, t
 body arrived in, the proxy's header strings are all immutable objects the collector frees when it
 likes). What this type does: the value lives in one `bytearray` that `wipe()` overwrites with zeros
 (and `with` wipes on exit), it never prints, it refuses pickling, and comparing two of them is
-constant time. Core dumps of the processes that hold values are disabled (appliance/hardening.py).
+constant time. Core dumps of the processes that hold values are disabled (proxycore/privileges.py).
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def _uids(pid: str) -> list[int]:
 
 
 def _is_worker(pid: str) -> bool:
-    """A proxy worker: started by a root process as `appliance.cli proxy ... --drop-to`."""
+    """A proxy worker: started by a root process as `proxycore.worker ... --drop-to`."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as file:
             argv = file.read().split(b"\0")
@@ -163,7 +163,7 @@ def _is_worker(pid: str) -> bool:
             parent = file.read().rsplit(")", 1)[1].split()[1]
     except (OSError, IndexError):
         return False
-    return b"appliance.cli" in argv and b"--drop-to" in argv and _uids(parent)[:1] == [0]
+    return b"proxycore.worker" in argv and b"--drop-to" in argv and _uids(parent)[:1] == [0]
 
 
 def _proxy_identity(config: ApplianceConfig) -> Check:

@@ -33,7 +33,6 @@ from pathlib import Path
 import trio
 
 from appliance.credstore import CredentialStore, load_key
-from appliance.hardening import forbid_core_dumps
 from appliance.journal import Journal
 from appliance.journal.recorder import JournalRecorder
 from appliance.keeper.channel import KeeperChannel, new_token
@@ -41,6 +40,7 @@ from appliance.keeper.service import KeeperService
 from appliance.runtime.base import RuntimeProvider
 from netns import CrewNetworks
 from proxycore import control
+from proxycore.privileges import forbid_core_dumps
 
 from . import messages
 from .api import AdminServer

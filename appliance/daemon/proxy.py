@@ -4,17 +4,19 @@ Theory of operation
 -------------------
 applianced starts N workers (`[proxy] workers`, default one per CPU), each
 
-    python -m appliance.cli proxy --config <state>/proxy.json --control-fd C --events-fd E \
+    python -m proxycore.worker --config <state>/proxy.json --control-fd C --events-fd E \
         --drop-to 1002:1002 --worker-index I
 
 with two socketpairs: the control channel (typed messages from proxycore/control.py, one reply
 each) and the events channel (the worker's decisions as JSON lines, which applianced journals:
-`JournalRecorder.ingest_proxy_channel`). The worker reads its config and builds its runtime as
-root, then drops to UID:GID with every capability set empty and no_new_privs
-(appliance/hardening.py) before it serves anything. It never binds: for each crew, applianced
-(root) binds one listening socket on the crew's gateway and sends it with `crew_add` to every
-worker (SCM_RIGHTS); the workers accept on the same socket, so the kernel hands each new
-connection to one of them, and a worker that dies leaves the others serving.
+`JournalRecorder.ingest_proxy_channel`). The worker imports the data plane only; as root it
+reads its config, builds its runtime and loads every module it may ever need, then drops to
+UID:GID with every capability set empty and no_new_privs (proxycore/privileges.py), checks
+that, and refuses any further import (proxycore/worker.py, proxycore/preload.py) before it
+serves anything; a worker whose drop falls short exits with status 1. It never binds: for each
+crew, applianced (root) binds one listening socket on the crew's gateway and sends it with
+`crew_add` to every worker (SCM_RIGHTS); the workers accept on the same socket, so the kernel
+hands each new connection to one of them, and a worker that dies leaves the others serving.
 
 Every change of policy or credentials is broadcast to every worker under `self.lock`, and a
 worker that (re)starts is sent the whole current state under the same lock, so a worker never
@@ -41,7 +43,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -139,12 +141,17 @@ class ProxyPool:
         events_reader: EventsReader | None = None,
         restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
         on_exit: ExitHook | None = None,
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
         self.config = config
         self.port = port
         self.drop_to = drop_to
         self.events_reader = events_reader
+        # The interpreter that runs `-m proxycore.worker`, and its environment (None: ours).
+        self.python = python
+        self.env = env
         self.workers = [_Worker(index) for index in range(workers)]
         self.crews: dict[str, CrewEntry] = {}
         self.listeners: dict[str, socket.socket] = {}
@@ -197,10 +204,9 @@ class ProxyPool:
 
     def _argv(self, worker: _Worker, control_fd: int, events_fd: int) -> list[str]:
         argv = [
-            sys.executable,
+            self.python,
             "-m",
-            "appliance.cli",
-            "proxy",
+            "proxycore.worker",
             "--config",
             str(self.config_path),
             "--control-fd",
@@ -224,6 +230,7 @@ class ProxyPool:
                     pass_fds=(control_theirs.fileno(), events_theirs.fileno()),
                     stdin=open(os.devnull, "rb"),  # noqa: SIM115 (handed to the child)
                     stderr=subprocess.PIPE,
+                    env=self.env,
                 )
             except BaseException:
                 for sock in (control_ours, events_ours):

@@ -18,16 +18,28 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
-import dns.asyncresolver
-import dns.exception
-import dns.inet
-import dns.nameserver
-import dns.rdatatype
-import dns.resolver
+import dns._features
 import trio
 
 from proxycore.config import parse_nameserver
 from proxycore.errors import PolicyDenied
+
+# The proxy asks its nameservers over plain DNS (UDP, then TCP). DNS over HTTPS or QUIC would
+# have dnspython load httpx, anyio or aioquic into every worker whenever they happen to be
+# installed: memory, and modules imported after the privilege drop, for nothing.
+dns._features.force("doh", False)
+dns._features.force("doq", False)
+# dnspython asks importlib.metadata whether an optional package is there on first use of a
+# feature, which reads site-packages: ask now, while the worker can still read it.
+for _feature in ("dnssec", "idna", "trio", "wmi"):
+    dns._features.have(_feature)
+
+import dns.asyncresolver  # noqa: E402 (after the features are settled)
+import dns.exception  # noqa: E402
+import dns.inet  # noqa: E402
+import dns.nameserver  # noqa: E402
+import dns.rdatatype  # noqa: E402
+import dns.resolver  # noqa: E402
 
 __all__ = ["PRELOAD_MODULES", "Resolver"]
 
@@ -44,6 +56,9 @@ PRELOAD_MODULES = (
     "dns.rdtypes.ANY.OPT",
     "dns.rdtypes.ANY.RRSIG",
     "dns.rdtypes.ANY.NS",
+    # dns.message imports it to read a message whose opcode is UPDATE: a hostile nameserver
+    # can send one.
+    "dns.update",
 )
 
 

@@ -1,5 +1,7 @@
 """Process hardening for the processes that hold credential values: applianced (the store's key,
-values while it pushes them) and the proxy (every injected key).
+values while it pushes them) and the proxy workers (every injected key). It lives in the data
+plane because a worker needs it and must not import the control plane; applianced imports it
+from here.
 
 `forbid_core_dumps()` sets RLIMIT_CORE to 0 (no core file, whatever the system's core_pattern
 asks, except a pipe handler: hence also) and clears the dumpable flag with
@@ -15,10 +17,14 @@ setgroups([]), setresgid, setresuid (all three ids, so no saved id can win root 
 clears the permitted and effective sets on that transition); capset() to clear what is left (the
 inheritable set); PR_SET_NO_NEW_PRIVS (no execve can grant anything again, setuid binaries or
 file capabilities included); and the dumpable flag once more (a uid change resets it). Then it
-checks the result from /proc/self/status and by trying to become root again: anything but UID
-`uid`, five empty capability sets and NoNewPrivs 1 is an error, and the caller exits. It must
-run while the process has a single thread (capabilities and no_new_privs are per thread), which
-it checks.
+checks the result (`check_dropped`, the worker's self-check) from /proc/self/status and by
+trying to become root again: anything but UID and GID `uid`:`gid` in all four slots, no
+supplementary group, five empty capability sets, NoNewPrivs 1 and a cleared dumpable flag is an
+error, and the caller exits. It must run while the process has a single thread (capabilities and
+no_new_privs are per thread), which it checks.
+
+libc is opened once, before the drop: `ctypes.util.find_library` runs `ldconfig -p` in a child
+process, which a worker should not need to do once it has no privilege left.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 import resource
 
@@ -43,6 +50,7 @@ class PrivilegeDropError(OSError):
     """The process could not shed its privileges completely: it must not go on."""
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -127,10 +135,11 @@ def drop_privileges(uid: int, gid: int) -> None:
         raise PrivilegeDropError(error, f"capset: {os.strerror(error)}")
     _prctl(libc, PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
     forbid_core_dumps()
-    _verify_dropped(uid, gid)
+    check_dropped(uid, gid)
 
 
-def _verify_dropped(uid: int, gid: int) -> None:
+def check_dropped(uid: int, gid: int) -> None:
+    """The worker's self-check: raises PrivilegeDropError naming every privilege still held."""
     status = process_status()
     problems = []
     if status.get("Uid", "").split() != [str(uid)] * 4:
@@ -144,6 +153,8 @@ def _verify_dropped(uid: int, gid: int) -> None:
             problems.append(f"{field} {status.get(field)}")
     if status.get("NoNewPrivs") != "1":
         problems.append(f"NoNewPrivs {status.get('NoNewPrivs')!r}")
+    if is_dumpable():
+        problems.append("dumpable")
     try:
         os.setuid(0)
     except PermissionError:
