@@ -26,7 +26,6 @@ its event is emitted; whatever ends the connection emits the event of a request 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -317,7 +316,7 @@ class ClientConnection:
             and not progress.body_consumed
             and (close_after_refusal(head) or not await self._drain(head))
         ):
-            plan = dataclasses.replace(plan, close=True)
+            plan = msgspec.structs.replace(plan, close=True)
         data = self._refusal_bytes(plan)
         if plan.close:
             return data

@@ -8,8 +8,7 @@ never composes an event of its own.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import msgspec
 
 from proxycore.protocol.credentials import Provider
 from proxycore.protocol.events import RequestAllowed, RequestDenied, RequestErrored, RequestRefused
@@ -19,8 +18,7 @@ from proxycore.protocol.refusals import Refusal, refusal
 __all__ = ["Forward", "OpenTunnel", "Plan", "Refuse", "Request", "ServeKeeper", "ServeLocal"]
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(msgspec.Struct, frozen=True):
     """Who asked for what: enough to write the request's one terminal event.
 
     `route` is "forward", "reverse", "tunnel", "local", "keeper", or "" while the request is not
@@ -121,14 +119,13 @@ class Request:
         )
 
     def with_target(self, route: str, host: str, port: int) -> Request:
-        return dataclasses.replace(self, route=route, host=host, port=port)
+        return Request(self.crew, self.mode, route, self.method, host, port)
 
 
 # -- plans ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Refuse:
+class Refuse(msgspec.Struct, frozen=True):
     """Answer `status` with `body` (JSON), record `event`; `close` ends the connection after."""
 
     status: int
@@ -140,29 +137,25 @@ class Refuse:
         return refusal(self.status, self.body, close=self.close)
 
 
-@dataclass(frozen=True, slots=True)
-class ServeLocal:
+class ServeLocal(msgspec.Struct, frozen=True):
     request: Request
     response: bytes
     keep_alive: bool
 
 
-@dataclass(frozen=True, slots=True)
-class ServeKeeper:
+class ServeKeeper(msgspec.Struct, frozen=True):
     request: Request
     action: Action
     keep_alive: bool
 
 
-@dataclass(frozen=True, slots=True)
-class OpenTunnel:
+class OpenTunnel(msgspec.Struct, frozen=True):
     request: Request
     host: str
     port: int
 
 
-@dataclass(frozen=True, slots=True)
-class Forward:
+class Forward(msgspec.Struct, frozen=True):
     """Send the request to (host, port); `head` is the upstream request head up to and
     excluding the framing field and the blank line (see `upstream_head`)."""
 

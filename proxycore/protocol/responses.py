@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+
+import msgspec
 
 from native.scrub import Scrubber
 from proxycore.protocol import http1
@@ -43,8 +44,7 @@ class BodyMode(enum.Enum):
     STREAM = "stream"
 
 
-@dataclass(frozen=True, slots=True)
-class ResponsePlan:
+class ResponsePlan(msgspec.Struct, frozen=True):
     status: int
     mode: BodyMode
     # STREAM to an HTTP/1.1 agent: re-framed as chunked (else the close ends the body).
@@ -52,13 +52,12 @@ class ResponsePlan:
     keep_client: bool
     # The upstream connection can carry another request once this body is read to its end.
     reusable: bool
-    start_line: bytes  # "HTTP/1.1 200 OK", scrubbed, without CRLF
-    fields: bytes  # field lines, each led by CRLF, scrubbed, framing not included
+    # "HTTP/1.1 200 OK" and the field lines (each led by CRLF), scrubbed; no framing field.
+    start: bytes
 
     def head(self, content_length: int | None = None) -> bytearray:
         """The head for the agent; WHOLE passes the length of the scrubbed body."""
-        out = bytearray(self.start_line)
-        out += self.fields
+        out = bytearray(self.start)
         if content_length is not None:
             out += b"\r\ncontent-length: %d" % content_length
         if self.rechunk:
@@ -108,24 +107,27 @@ def plan_response(
         else:
             keep_client = False  # an HTTP/1.0 agent learns the end from the close
     fields = http1.relay_fields(response, drop)
-    if fields is not None:
-        scrubbed_fields = scrub_field_lines(scrubber, fields)
-    else:
+    if fields is None:
+        # The general path: a Connection field nominates others (strip_hop_by_hop reads it).
         lines = bytearray()
         for name, value in http1.strip_hop_by_hop(response.headers):
             if drop is _DROP_LENGTH and name == b"content-length":
                 continue
-            if scrubber.scrub(name) != name:
-                continue  # a secret in a field name: the field is dropped, never mangled
-            lines += b"\r\n%s: %s" % (name, scrubber.scrub(value))
-        scrubbed_fields = bytes(lines)
-    reason = scrubber.scrub(response.reason)
+            lines += b"\r\n%s: %s" % (name, value)
+        fields = bytes(lines)
+    # The status line and the fields in one scrubber call (the common case: nothing to redact);
+    # when anything is redacted they are done again apart, so that a field whose name holds a
+    # secret is dropped rather than relayed with a mangled name.
+    start = b"HTTP/1.1 %d %s" % (response.status, response.reason)
+    head = start + fields
+    scrubbed = scrubber.scrub(head)
+    if scrubbed != head:
+        scrubbed = scrubber.scrub(start) + scrub_field_lines(scrubber, fields)
     return ResponsePlan(
         status=response.status,
         mode=mode,
         rechunk=rechunk,
         keep_client=keep_client,
         reusable=response.keep_alive and kind is not http1.BodyKind.UNTIL_CLOSE,
-        start_line=b"HTTP/1.1 %d %s" % (response.status, reason),
-        fields=scrubbed_fields,
+        start=scrubbed,
     )
