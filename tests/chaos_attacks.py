@@ -456,7 +456,9 @@ async def dns_flood(attack: Attack, seconds: float, tasks: int = 24) -> None:
 
 async def chunked_uploads(attack: Attack, count: int, size: int) -> None:
     """`count` chunked uploads of `size` bytes each, all in flight at once: every body is sent
-    but for its last chunk, which waits until every upload has sent the rest."""
+    but for its last chunk, which waits until every upload has sent the rest (or, should the
+    proxy queue some uploads behind others, for most of read_timeout: then the first ones end
+    and make room, before the proxy times their silent bodies out)."""
     all_sent = trio.Event()
     sent = 0
     piece = b"u" * (256 * 1024)
@@ -477,7 +479,8 @@ async def chunked_uploads(attack: Attack, count: int, size: int) -> None:
             sent += 1
             if sent == count:
                 all_sent.set()
-        await all_sent.wait()
+        with trio.move_on_after(LIMITS["read_timeout"] * 0.75):
+            await all_sent.wait()
         await stream.send_all(b"0\r\n\r\n")
         response = await reader.response(20)
         if response is None or response.status != 200:

@@ -352,6 +352,8 @@ class Chaos:
         lead: float = 0.5,
         trail: float = 0.5,
         max_seconds: float = 60.0,
+        keepalive: int = 1,
+        fresh: int = 1,
     ) -> AsyncIterator[LegitRun]:
         """Crew B's legitimate stream for the length of the `async with` body (plus `lead`
         seconds before it and `trail` after)."""
@@ -360,6 +362,7 @@ class Chaos:
             "ip", "netns", "exec", self.world.ns_b, sys.executable,
             str(HERE / "chaos_client.py"), "--proxy", f"{self.world.gateway_b}:{PORT}",
             "--url", url, "--rate", str(rate), "--max-seconds", str(max_seconds),
+            "--keepalive", str(keepalive), "--fresh", str(fresh),
         ]  # fmt: skip
         process = await trio.lowlevel.open_process(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE
@@ -486,6 +489,7 @@ async def chaos_pool(
     allow_a: tuple[str, ...] = (),
     allow_b: tuple[str, ...] = (),
     fd_limit: int | None = None,
+    workers: int = WORKERS,
 ) -> AsyncIterator[Chaos]:
     """Two workers as applianced runs them, crews A and B (restricted; PEER_NAME allowed)."""
     from appliance.daemon.proxy import CrewEntry, ProxyPool
@@ -495,7 +499,7 @@ async def chaos_pool(
     events = EventLog()
     failure: Exception | None = None
     pool = ProxyPool(
-        config, state_dir, PORT, workers=WORKERS, drop_to=WORKER_IDS, events_reader=events.read
+        config, state_dir, PORT, workers=workers, drop_to=WORKER_IDS, events_reader=events.read
     )
     async with trio.open_nursery() as nursery:
         with trio.fail_after(30), workers_fd_limit(fd_limit):

@@ -226,20 +226,20 @@ async def test_odd_connect_authorities(world: ChaosWorld, tmp_path: Path) -> Non
 
 
 async def test_chunked_request_bodies_are_streamed(world: ChaosWorld, tmp_path: Path) -> None:
-    """48 chunked uploads of 6 MiB in flight at once (each holds back its last chunk until all
+    """32 chunked uploads of 8 MiB in flight at once (each holds back its last chunk until all
     have sent the rest): bodies stream to the upstream with flow control, so a worker's peak
-    memory grows by far less than the bytes in flight (288 MiB)."""
+    memory grows by far less than the bytes in flight (256 MiB)."""
     async with chaos_pool(world, tmp_path) as chaos:
         before = {pid: memory(pid)["VmRSS"] for pid in chaos.pids}
         attack = attacks.Attack(chaos)
         async with chaos.legit() as legit:
-            await attacks.chunked_uploads(attack, count=48, size=6 << 20)
+            await attacks.chunked_uploads(attack, count=32, size=8 << 20)
         problems = list(attack.problems)
         for pid, rss in before.items():
             grown = memory(pid)["VmHWM"] - rss
             if grown > 64 << 20:
                 problems.append(
-                    f"worker {pid}: peak memory grew by {grown >> 20} MiB with 288 MiB of "
+                    f"worker {pid}: peak memory grew by {grown >> 20} MiB with 256 MiB of "
                     "chunked bodies in flight (bodies are buffered, not streamed)"
                 )
         await chaos.check(a_requests=attack.requests, legit=legit, problems=problems)
