@@ -488,11 +488,13 @@ async def chaos_pool(
     upstream: dict[str, Any] | None = None,
     allow_a: tuple[str, ...] = (),
     allow_b: tuple[str, ...] = (),
+    modes: tuple[str, str] = ("restricted", "restricted"),
     fd_limit: int | None = None,
     workers: int = WORKERS,
 ) -> AsyncIterator[Chaos]:
-    """Two workers as applianced runs them, crews A and B (restricted; PEER_NAME allowed)."""
+    """Two workers as applianced runs them, crews A and B (in `modes`; PEER_NAME allowed)."""
     from appliance.daemon.proxy import CrewEntry, ProxyPool
+    from proxycore import control
     from proxycore.config import parse_config
 
     config = parse_config(config_text(world, limits or {}, upstream or {}), source="chaos")
@@ -501,16 +503,21 @@ async def chaos_pool(
     pool = ProxyPool(
         config, state_dir, PORT, workers=workers, drop_to=WORKER_IDS, events_reader=events.read
     )
+    # As applianced does: the workers know where the keeper listens. Nothing listens there, so
+    # a keeper call the worker forwards is answered 503; one it refuses itself, 400 or 413.
+    pool.keeper_channel = control.KeeperChannelSet(
+        path=str(state_dir / "keeper.sock"), token=uuid.uuid4().hex
+    )
     async with trio.open_nursery() as nursery:
         with trio.fail_after(30), workers_fd_limit(fd_limit):
             await nursery.start(pool.run)
         pids = tuple(pool.pids)
         chaos = Chaos(world, pool, events, pids)
-        for name, gateway, allow in (
-            (chaos.crew_a, world.gateway_a, allow_a),
-            (chaos.crew_b, world.gateway_b, allow_b),
+        for name, gateway, mode, allow in (
+            (chaos.crew_a, world.gateway_a, modes[0], allow_a),
+            (chaos.crew_b, world.gateway_b, modes[1], allow_b),
         ):
-            await pool.add_crew(CrewEntry(name, gateway, "restricted", (PEER_NAME, *allow)))
+            await pool.add_crew(CrewEntry(name, gateway, mode, (PEER_NAME, *allow)))
         try:
             yield chaos
         except Exception as exc:
