@@ -137,6 +137,8 @@ async def measure(args: argparse.Namespace, world: ChaosWorld, state: Path) -> d
             for pid in chaos.pids:
                 os.sched_setaffinity(pid, {WORKERS_CORE})
         for index in range(args.rounds):
+            # --wait-quiet: up to that long for the machine's other processes to calm down.
+            await trio.to_thread.run_sync(common.wait_for_quiet, None)
             quiet, _, _ = await phase(chaos, args, None)
             attacked, requests, problems = await phase(chaos, args, mix)
             ratio = attacked["p99_ms"] / quiet["p99_ms"] if quiet["p99_ms"] else float("nan")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import struct
 import sys
@@ -351,6 +352,10 @@ async def main(address: str) -> None:
     loop.add_reader(sys.stdin.fileno(), on_stdin)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(stdin_closed, MAX_LIFETIME)
+    # Done: leave at once, rather than have asyncio cancel (and report) every open handler.
+    assert _log_file is not None
+    _log_file.close()
+    os._exit(0)
 
 
 if __name__ == "__main__":
