@@ -51,7 +51,8 @@ import trio
 
 from tests import chaos_attacks as attacks
 from tests import chaos_inputs as inputs
-from tests.chaos_support import Chaos, ChaosWorld, chaos_pool, chaos_world
+from tests.chaos_support import Chaos, chaos_pool
+from tests.chaos_world import ChaosWorld, chaos_world
 
 TARGET_RATIO = 2.0
 WORKERS_CORE = 0

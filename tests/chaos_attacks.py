@@ -16,7 +16,8 @@ import trio
 
 from tests import chaos_peers as peers
 from tests.chaos_http import Reader, Response, describe
-from tests.chaos_support import LIMITS, PEER_NAME, Chaos, reset_close
+from tests.chaos_support import LIMITS, PEER_NAME, Chaos
+from tests.chaos_world import reset_close
 
 OK_URL = f"http://{PEER_NAME}:{peers.OK}"
 MARGIN = 3.0  # seconds allowed past a configured timeout before "it never ended" is a problem

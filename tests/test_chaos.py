@@ -28,14 +28,13 @@ from tests import chaos_peers as peers
 from tests.chaos_http import describe
 from tests.chaos_support import (
     PEER_NAME,
-    ChaosWorld,
     ask,
     chaos_pool,
-    chaos_world,
     fd_limit_of,
     memory,
     open_fds,
 )
+from tests.chaos_world import ChaosWorld, chaos_world
 
 pytestmark = pytest.mark.netns
 
