@@ -79,20 +79,15 @@ class CrewState:
 
     gateway: str
     policy: CrewPolicy
+    # The policy's name and mode, kept here too: read on every request.
+    name: str
+    mode: str
     # The ranges this crew alone may reach past the SSRF guard (`CrewConfig.ssrf_allow`).
     guard: AddressGuard | None
     lookups: trio.CapacityLimiter
     buffered: BufferBudget
     connections: int = 0
     live: set[ClientConnection] = field(default_factory=set)
-
-    @property
-    def name(self) -> str:
-        return self.policy.name
-
-    @property
-    def mode(self) -> str:
-        return self.policy.mode.value
 
 
 class ProxyRuntime:
@@ -179,6 +174,8 @@ class ProxyRuntime:
         state = self.crews[gateway] = CrewState(
             gateway=gateway,
             policy=CrewPolicy(crew.name, mode, allowlist),
+            name=crew.name,
+            mode=mode.value,
             guard=AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
             lookups=trio.CapacityLimiter(limits.dns_lookups_per_crew),
             buffered=BufferBudget(limits.max_buffered_bytes_per_crew),

@@ -86,7 +86,9 @@ class ClientConnection:
         self.upstream: UpstreamConnection | None = None
         self.requests = 0  # request heads read on this connection
         self.progress: Progress | None = None
-        self.head: http1.RequestHead | None = None
+        # When the current request's head began to arrive (the request's duration runs from
+        # there).
+        self.head_started = 0.0
         # Why the connection was ended from outside ("crew_removed"), if it was.
         self.ended_by: str | None = None
 
@@ -204,14 +206,16 @@ class ClientConnection:
             except HttpProtocolError as exc:
                 crew = self.crew
                 plan = refuse_unparsed(crew.name, crew.mode, exc.status_hint, str(exc))
-                self.progress = Progress(Request(crew.name, crew.mode), time.monotonic())
+                self.progress = Progress(Request(crew.name, crew.mode), self.head_started)
                 return self._refusal_bytes(plan)
             if head is None:
                 return None
-            self.head = head
             try:
                 keep_alive = await self._serve(head)
             except Refused as refused:
+                if self.upstream is not None:
+                    self.upstream.close()  # an exchange left half done is never pooled
+                    self.upstream = None
                 final = await self._answer_refusal(refused.plan, head)
                 if final is not None:
                     return final
@@ -227,17 +231,21 @@ class ClientConnection:
             head,
             crew.policy,
             runtime.routes,
-            audit_blocked=runtime.audit_blocked,
+            audit_blocked=runtime.audit_paused or runtime.sink.backlogged,
             max_body=self.limits.max_body_bytes,
         )
-        if isinstance(plan, Refuse):
-            self.progress = Progress(_request_of(plan, crew), time.monotonic())
-            raise Refused(plan)
-        self.progress = Progress(plan.request, time.monotonic())
-        if head.body_kind is http1.BodyKind.NONE:
-            self.progress.body_consumed = True
+        started = self.head_started
         if isinstance(plan, Forward):
+            self.progress = Progress(
+                plan.request, started, body_consumed=head.body_kind is http1.BodyKind.NONE
+            )
             return await serve_forward(self, plan, head)
+        if isinstance(plan, Refuse):
+            self.progress = Progress(_request_of(plan, crew), started)
+            raise Refused(plan)
+        self.progress = Progress(
+            plan.request, started, body_consumed=head.body_kind is http1.BodyKind.NONE
+        )
         if isinstance(plan, ServeLocal):
             await self.discard_body(head, 0)
             self.response_started = True
@@ -260,7 +268,7 @@ class ClientConnection:
         if progress is None:
             return
         self.progress = None
-        self.emit(
+        self.runtime.sink.emit(
             progress.request.allowed(
                 address=progress.address,
                 rule=progress.rule,
@@ -375,6 +383,7 @@ class ClientConnection:
                     head, consumed = parsed
                     self.requests += 1
                     del buffer[:consumed]
+                    self.head_started = now
                     return head
             if buffer:
                 data = await self._receive(self.stream, Phase.HEAD, head_deadline)
@@ -391,7 +400,8 @@ class ClientConnection:
                     raise HttpProtocolError("connection closed inside a request head")
                 return None
             if not buffer:
-                head_deadline = time.monotonic() + limits.head_timeout
+                now = time.monotonic()
+                head_deadline = now + limits.head_timeout
             buffer += data
 
     async def _receive_body(self, deadline: float | None = None) -> bytes:

@@ -45,50 +45,18 @@ class _UpstreamBroken(Exception):
 
 
 async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:
-    """Carry out a Forward plan; returns whether the agent's connection stays open."""
-    try:
-        return await _exchange(conn, plan, head)
-    except Refused:
-        if conn.upstream is not None:
-            conn.upstream.close()  # an exchange left half done is never pooled
-            conn.upstream = None
-        raise
-
-
-async def _exchange(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:
+    """Carry out a Forward plan; returns whether the agent's connection stays open. A refusal
+    raised from here leaves `conn.upstream` for the connection to close (never pooled)."""
     crew = conn.crew
     progress = conn.progress
     assert progress is not None
-    progress.rule = plan.rule
-    reader: http1.BodyReader | None = None
-    body: bytes | None = None
-    prefix = b""
-    held = 0
-    try:
-        if head.body_kind is not http1.BodyKind.NONE:
-            if plan.expect_continue:
-                # RFC 9110 10.1.1: the policy and the declared size passed; ask for the body.
-                await conn.stream.send_all(CONTINUE)
-            reader = http1.BodyReader.for_request(head, conn.runtime.http_limits)
-            small = head.body_kind is http1.BodyKind.CHUNKED or (
-                head.content_length <= REPLAYABLE_BODY
-            )
-            want = (
-                head.content_length
-                if head.body_kind is http1.BodyKind.LENGTH
-                else (REPLAYABLE_BODY)
-            )
-            if small and crew.buffered.take(want):
-                held = want
-                prefix = await _read_up_to(conn, reader, REPLAYABLE_BODY)
-                if reader.done:
-                    body, reader = prefix, None
-        if reader is None:
-            upstream, response = await _send_replayable(conn, plan, head, body)
-        else:
-            upstream, response = await _send_streaming(conn, plan, head, reader, prefix)
-    finally:
-        crew.buffered.give_back(held)
+    if plan.provider is not None:
+        progress.rule = "provider"
+    if head.body_kind is http1.BodyKind.NONE:
+        # The common case, kept to as few calls as possible: no body to read or hold.
+        upstream, response = await _send_replayable(conn, plan, head, None)
+    else:
+        upstream, response = await _send_with_body(conn, plan, head)
     progress.address = upstream.address
     progress.status = response.status
     if plan.provider is not None:
@@ -114,6 +82,31 @@ async def _exchange(conn: ClientConnection, plan: Forward, head: http1.RequestHe
             crew.buffered.give_back(response.content_length)
 
 
+async def _send_with_body(
+    conn: ClientConnection, plan: Forward, head: http1.RequestHead
+) -> tuple[UpstreamConnection, http1.ResponseHead]:
+    """A request with a body: read whole if it ends within REPLAYABLE_BODY bytes and the crew's
+    buffer budget has room (then sent replayably), else streamed."""
+    if plan.expect_continue:
+        # RFC 9110 10.1.1: the policy and the declared size passed; ask for the body.
+        await conn.stream.send_all(CONTINUE)
+    reader = http1.BodyReader.for_request(head, conn.runtime.http_limits)
+    chunked = head.body_kind is http1.BodyKind.CHUNKED
+    if not chunked and head.content_length > REPLAYABLE_BODY:
+        return await _send_streaming(conn, plan, head, reader, b"")
+    want = REPLAYABLE_BODY if chunked else head.content_length
+    budget = conn.crew.buffered
+    if not budget.take(want):
+        return await _send_streaming(conn, plan, head, reader, b"")
+    try:
+        prefix = await _read_up_to(conn, reader, REPLAYABLE_BODY)
+        if reader.done:
+            return await _send_replayable(conn, plan, head, prefix)
+        return await _send_streaming(conn, plan, head, reader, prefix)
+    finally:
+        budget.give_back(want)
+
+
 # -- the request --------------------------------------------------------------------------------
 
 
@@ -137,14 +130,10 @@ async def _read_up_to(conn: ClientConnection, reader: http1.BodyReader, limit: i
     return bytes(body)
 
 
-async def _open(conn: ClientConnection, plan: Forward, *, fresh: bool) -> UpstreamConnection:
-    runtime, crew = conn.runtime, conn.crew
-    dialer = runtime.dialer
-    if not fresh:
-        pooled = dialer.checkout(crew.name, plan.tls, plan.host, plan.port)
-        if pooled is not None:
-            conn.upstream = pooled
-            return pooled
+async def _open(conn: ClientConnection, plan: Forward) -> UpstreamConnection:
+    """A fresh upstream connection for `plan`, dialled within the crew's shares."""
+    crew = conn.crew
+    dialer = conn.runtime.dialer
     conn.phase = Phase.UPSTREAM
     conn.deadline = float("inf")  # the dialer bounds lookups, connects and handshakes itself
     request = plan.request
@@ -172,24 +161,37 @@ async def _send_upstream(conn: ClientConnection, upstream: UpstreamConnection, d
 async def _send_replayable(
     conn: ClientConnection, plan: Forward, head: http1.RequestHead, body: bytes | None
 ) -> tuple[UpstreamConnection, http1.ResponseHead]:
+    """Send a request whose body (if any) is in hand: on a pooled connection first, and once
+    more on a fresh one if the pooled one turns out stale (closed or reset before answering)."""
     data = plan.upstream_head(None if body is None else len(body))
     if body:
         data += body
-    attempt = 0
+    crew = conn.crew
+    upstream = conn.runtime.dialer.checkout(crew.name, plan.tls, plan.host, plan.port)
     while True:
-        attempt += 1
-        upstream = await _open(conn, plan, fresh=attempt > 1)
+        if upstream is None:
+            upstream = await _open(conn, plan)
+        conn.upstream = upstream
+        # One deadline for sending the request and for its answer's head.
+        deadline = time.monotonic() + conn.limits.read_timeout
+        conn.phase = Phase.UPSTREAM
+        conn.deadline = deadline
         try:
-            await _send_upstream(conn, upstream, data)
-            response = await _read_response_head(conn, plan, upstream, head.method)
+            try:
+                await upstream.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise _UpstreamBroken(str(exc)) from None
+            response = await _read_response_head(conn, plan, upstream, head.method, deadline)
         except _UpstreamBroken:
             upstream.close()
             conn.upstream = None
-            if upstream.reused and attempt == 1:
+            if upstream.reused:
+                upstream = None
                 continue  # the pooled connection had gone stale: once more, fresh
             raise Refused(_upstream_closed(plan)) from None
-        assert conn.progress is not None
-        conn.progress.bytes_up = len(body) if body else 0
+        if body:
+            assert conn.progress is not None
+            conn.progress.bytes_up = len(body)
         return upstream, response
 
 
@@ -202,7 +204,7 @@ async def _send_streaming(
 ) -> tuple[UpstreamConnection, http1.ResponseHead]:
     limit = conn.limits.max_body_bytes
     chunked = head.body_kind is http1.BodyKind.CHUNKED
-    upstream = await _open(conn, plan, fresh=True)
+    upstream = await _open(conn, plan)
     first = plan.upstream_head(None if chunked else head.content_length, chunked=chunked)
     sent = len(prefix)
     progress = conn.progress
@@ -231,7 +233,9 @@ async def _send_streaming(
         conn.buffer[:0] = reader.take_leftover()
         progress.body_consumed = True
         progress.bytes_up = sent
-        response = await _read_response_head(conn, plan, upstream, head.method)
+        response = await _read_response_head(
+            conn, plan, upstream, head.method, time.monotonic() + conn.limits.read_timeout
+        )
     except _UpstreamBroken:
         raise Refused(_upstream_closed(plan)) from None
     return upstream, response
@@ -272,13 +276,17 @@ async def _receive_upstream(
 
 
 async def _read_response_head(
-    conn: ClientConnection, plan: Forward, upstream: UpstreamConnection, method: bytes
+    conn: ClientConnection,
+    plan: Forward,
+    upstream: UpstreamConnection,
+    method: bytes,
+    deadline: float,
 ) -> http1.ResponseHead:
     """The final response head (interim 1xx responses are read and dropped)."""
     buffer = upstream.buffer
-    deadline = time.monotonic() + conn.limits.read_timeout
     http_limits = conn.runtime.http_limits
-    answer_pending = True  # the request was just sent
+    stream = upstream.stream
+    answer_pending = True  # the request was just sent: do not try the kernel before waiting
     while True:
         if buffer:
             try:
@@ -295,9 +303,12 @@ async def _read_response_head(
                         )
                     continue  # interim (100 Continue, 103 Early Hints): not relayed
                 return response
-        data = await _receive_upstream(
-            conn, upstream, Phase.UPSTREAM, deadline, answer_pending=answer_pending
-        )
+        try:
+            data = await conn._receive(
+                stream, Phase.UPSTREAM, deadline, answer_pending=answer_pending
+            )
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise _UpstreamBroken(str(exc)) from None
         answer_pending = False
         if not data:
             if buffer:

@@ -114,14 +114,12 @@ def plan_request(
     max_body: int,
 ) -> Plan:
     """What to do with one request from `crew` (see the module docstring)."""
-    request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii", "replace"))
     target = head.target
+    if target[:7].lower() == b"http://":
+        return _plan_forward(head, crew, routes, audit_blocked=audit_blocked, max_body=max_body)
+    request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii", "replace"))
     if head.method == b"CONNECT":
         return _plan_tunnel(head, crew, request, audit_blocked=audit_blocked)
-    if target[:7].lower() == b"http://":
-        return _plan_forward(
-            head, crew, routes, request, audit_blocked=audit_blocked, max_body=max_body
-        )
     if target[:1] == b"/":
         return _plan_origin_form(
             head, crew, routes, request, audit_blocked=audit_blocked, max_body=max_body
@@ -158,8 +156,15 @@ def _check_policy(
     request: Request,
     *,
     audit_blocked: bool,
-    close: bool,
+    close: bool | None = None,
 ) -> Refuse | None:
+    """The journal and the name policy; `close` None: decided by the request's body."""
+    if not audit_blocked:
+        decision = crew.decide(request.host, request.port)
+        if decision.allowed:
+            return None
+    if close is None:
+        close = close_after_refusal(head)
     if audit_blocked:
         # Every route (forward, reverse, tunnel) passes here before anything is dialled. Paused
         # by applianced (its journal is behind), or this worker's own events are not being
@@ -172,9 +177,6 @@ def _check_policy(
             rule=AUDIT_UNAVAILABLE,
             close=close,
         )
-    decision = crew.decide(request.host, request.port)
-    if decision.allowed:
-        return None
     why = _WHY_DENIED.get(decision.rule, "{host} refused by rule " + decision.rule)
     return request.denied(decision.rule, why.format(crew=crew.name, host=request.host), close=close)
 
@@ -202,7 +204,6 @@ def _plan_forward(
     head: http1.RequestHead,
     crew: CrewPolicy,
     routes: Routes,
-    request: Request,
     *,
     audit_blocked: bool,
     max_body: int,
@@ -212,14 +213,17 @@ def _plan_forward(
     authority, path = match.groups()
     if path[:1] != b"/":
         path = b"/" + path  # "http://host?q" or "http://host"
-    close = close_after_refusal(head)
-    try:
-        host, port = _parse_forward_authority(authority)
-    except PolicyDenied as exc:
-        request = request.with_target("forward", exc.host, 0)
-        return request.denied(exc.rule, str(exc), close=close)
-    request = request.with_target("forward", host, port)
-    refused = _check_policy(head, crew, request, audit_blocked=audit_blocked, close=close)
+    method = head.method.decode("ascii", "replace")
+    parsed = _AUTHORITIES.get(authority)
+    if parsed is None:
+        try:
+            parsed = _parse_forward_authority(authority)
+        except PolicyDenied as exc:
+            request = Request(crew.name, crew.mode.value, "forward", method, exc.host, 0)
+            return request.denied(exc.rule, str(exc), close=close_after_refusal(head))
+    host, port = parsed
+    request = Request(crew.name, crew.mode.value, "forward", method, host, port)
+    refused = _check_policy(head, crew, request, audit_blocked=audit_blocked)
     if refused is not None:
         return refused
     provider = routes.by_host.get(host)
@@ -243,14 +247,12 @@ _AUTHORITIES: dict[bytes, tuple[str, int]] = {}
 
 
 def _parse_forward_authority(authority: bytes) -> tuple[str, int]:
-    """`policy.parse_authority` for forward requests, memoized (it is pure; refusals are not
-    memoized, so a hostile agent cannot fill the memo with them)."""
-    parsed = _AUTHORITIES.get(authority)
-    if parsed is None:
-        parsed = parse_authority(authority, 80)
-        if len(_AUTHORITIES) >= MEMO_SIZE:
-            _AUTHORITIES.clear()
-        _AUTHORITIES[authority] = parsed
+    """`policy.parse_authority` for forward requests, into the memo the caller reads first (it
+    is pure; refusals are not memoized, so a hostile agent cannot fill the memo with them)."""
+    parsed = parse_authority(authority, 80)
+    if len(_AUTHORITIES) >= MEMO_SIZE:
+        _AUTHORITIES.clear()
+    _AUTHORITIES[authority] = parsed
     return parsed
 
 
@@ -333,7 +335,7 @@ def _forward(
         return request.refused(
             413, "body_too_large", f"request body over {max_body} bytes", close=True
         )
-    authority = _host_field(host, port, tls)
+    authority = _HOST_FIELDS.get((host, port, tls)) or _host_field(host, port, tls)
     fields = None if provider is not None else http1.relay_fields(head, _REQUEST_DROP)
     injected: Provider | None = None
     if fields is not None:
@@ -376,17 +378,14 @@ _HOST_FIELDS: dict[tuple[str, int, bool], bytes] = {}
 
 
 def _host_field(host: str, port: int, tls: bool) -> bytes:
-    """The Host field value for an upstream request (memoized: it is pure)."""
-    key = (host, port, tls)
-    value = _HOST_FIELDS.get(key)
-    if value is None:
-        authority = f"[{host}]" if ":" in host else host
-        if port != (443 if tls else 80):
-            authority = f"{authority}:{port}"
-        value = authority.encode("ascii")
-        if len(_HOST_FIELDS) >= MEMO_SIZE:
-            _HOST_FIELDS.clear()
-        _HOST_FIELDS[key] = value
+    """The Host field value for an upstream request, into the memo the caller reads first."""
+    authority = f"[{host}]" if ":" in host else host
+    if port != (443 if tls else 80):
+        authority = f"{authority}:{port}"
+    value = authority.encode("ascii")
+    if len(_HOST_FIELDS) >= MEMO_SIZE:
+        _HOST_FIELDS.clear()
+    _HOST_FIELDS[(host, port, tls)] = value
     return value
 
 
