@@ -145,6 +145,12 @@ def test_odd_connect_authorities_are_refused_readably(authority: bytes) -> None:
     assert body.startswith(b"HTTP/1.1 403 Forbidden\r\n") and b'"egress_denied"' in body
 
 
+def test_connect_with_an_absolute_uri_is_no_forward_request() -> None:
+    got = plan(b"CONNECT http://allowed.test:80/ HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert isinstance(got, Refuse) and got.status == 403 and got.close
+    assert got.event.route == "tunnel" and got.event.rule == "malformed_host"
+
+
 def test_connect_to_an_allowed_host_opens_a_tunnel() -> None:
     got = plan(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
     assert isinstance(got, OpenTunnel) and (got.host, got.port) == ("allowed.test", 443)

@@ -115,7 +115,7 @@ def plan_request(
 ) -> Plan:
     """What to do with one request from `crew` (see the module docstring)."""
     target = head.target
-    if target[:7].lower() == b"http://":
+    if target[:7].lower() == b"http://" and head.method != b"CONNECT":
         return _plan_forward(head, crew, routes, audit_blocked=audit_blocked, max_body=max_body)
     request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii", "replace"))
     if head.method == b"CONNECT":
