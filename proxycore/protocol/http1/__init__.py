@@ -13,9 +13,14 @@ Strictness is the point. This parser sits in front of other HTTP implementations
 server, the agent's client), and request smuggling happens when two parsers read the same bytes
 differently. So every input this module is unsure about is *refused*, never repaired and never
 handed to a second parser: bare LF or CR, obs-fold, duplicate or conflicting framing headers,
-transfer codings other than a single ``chunked``, chunk extensions, trailers. The differential
-fuzzer (``fuzz/fuzz_http1_differential.py``) holds the parser to one invariant against h11 as an
-oracle: for every input we either refuse, or read exactly what h11 reads.
+transfer codings other than a single ``chunked``. What RFC 9112 asks a recipient to accept and
+is safe to accept is accepted within bounds, and never forwarded: empty lines before a request
+line (2.2, skipped), chunk extensions (7.1.1, parsed by their grammar, ignored), trailer fields
+(7.1.2, parsed as field lines, dropped). The differential fuzzer
+(``fuzz/fuzz_http1_differential.py``) holds the parser to one invariant against h11 as an
+oracle: for every input we either refuse, or read exactly what h11 reads (h11 refuses leading
+empty lines; the oracle reads the bytes after them). docs/proxy.md lists where we are stricter
+than RFC 9112, and why.
 
 Speed comes from doing the common case in C: the scanner in native/src/headscan.c reads a
 common head in one pass; the Python reference that defines the behaviour does one ``bytes.find``
@@ -34,10 +39,10 @@ hits its size limit, not at the offending byte. ``fuzz/fuzz_http1_chunking.py`` 
 All scans of an incomplete head are bounded finds, so a peer trickling bytes cannot make the
 parser spend quadratic Python time.
 
-A `BodyReader` decodes one body: Content-Length (count down), chunked (a four-state machine:
-size line, data, the CRLF after data, the CRLF after the last chunk) or until-close; it returns
-decoded bytes as soon as they arrive and refuses bad framing at the first byte that cannot be
-extended into valid framing.
+A `BodyReader` decodes one body: Content-Length (count down), chunked (a state machine over the
+chunk line, the data, the CRLF after data, the trailer section) or until-close; it returns
+decoded bytes as soon as they arrive and refuses bad framing at a point that does not depend on
+the segmentation either (see `body`).
 
 Status hints: request-side refusals carry the status to answer the client with (400, 414 for a
 long request line, 431 for too many or too large header fields, 501 for an unknown transfer

@@ -1,10 +1,22 @@
 """Body decoding: one `BodyReader` per message body, fed bytes as they arrive (sans-IO).
 
 A `BodyReader` decodes one body: Content-Length (count down), chunked (a state machine over the
-chunk-size line, the data, the CRLF after data and the end of the message) or until-close; it
-returns decoded bytes as soon as they arrive and refuses bad framing at the first byte that
-cannot be extended into valid framing, so that a refusal never depends on how the bytes were
-segmented (fuzz/fuzz_http1_chunking.py).
+chunk line, the data, the CRLF after data and the trailer section) or until-close. It returns
+decoded bytes as soon as they arrive, and refuses bad framing at a point that does not depend on
+how the bytes were segmented (fuzz/fuzz_http1_chunking.py): a chunk line or trailer line is
+refused at its first byte that no valid line can have, except that the grammar of a chunk
+extension or a trailer field line is checked when its LF arrives (while it arrives, only its
+bytes are: controls, a bare CR), so that a peer trickling a line cannot make it quadratic.
+
+What RFC 9112 asks a recipient to accept, and this decoder reads and then drops:
+- chunk extensions (7.1.1), by their strict grammar (`grammar.CHUNK_LINE_RE`), within the
+  chunk-line limit; nothing of them is kept;
+- trailer fields (7.1.2), by the field-line grammar, within the header count and size limits;
+  "a recipient that removes the chunked coding from a message MAY selectively retain or discard
+  the received trailer fields": we discard them all. Framing fields (Content-Length,
+  Transfer-Encoding) in a trailer section are refused: RFC 9110 6.5.1 forbids them there, and a
+  peer sending them is probing for a reader that would act on them.
+The proxy re-frames every body it relays, so neither ever reaches the next hop.
 """
 
 from __future__ import annotations
@@ -12,25 +24,36 @@ from __future__ import annotations
 import enum
 import re
 
-from proxycore.protocol.http1.grammar import DEFAULT_LIMITS, BodyKind, Limits, refuse
+from proxycore.protocol.http1.diagnose import describe_bad_line
+from proxycore.protocol.http1.grammar import (
+    CHUNK_LINE_RE,
+    CONTENT_LENGTH,
+    DEFAULT_LIMITS,
+    FIELD_LINE_RE,
+    LINE_BAD_BYTE_RE,
+    TRANSFER_ENCODING,
+    BodyKind,
+    Limits,
+    refuse,
+)
 from proxycore.protocol.http1.heads import RequestHead, ResponseHead
 
 __all__ = ["BodyReader"]
 
-# chunk-size = 1*HEXDIG (RFC 9112 section 7.1). We allow at most 16 digits (2**64 - 1) and no
-# chunk-ext at all (RFC 9112 7.1.1): extensions are where parsers have disagreed
-# (quoted strings, bare LF inside them), and no client we serve sends them.
+# The common chunk line, "1*16HEXDIG CRLF" (no extension), and every prefix of it.
 _CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _CHUNK_SIZE_PREFIX_RE = re.compile(rb"(?:[0-9A-Fa-f]{1,16}\r?)?")
+# Fields that decide framing: never in a trailer section (RFC 9110 6.5.1).
+_TRAILER_FORBIDDEN = frozenset({CONTENT_LENGTH, TRANSFER_ENCODING})
 
 
 class _Chunk(enum.Enum):
     """States of the chunked decoder (RFC 9112 section 7.1)."""
 
-    SIZE = 0  # reading a chunk-size line
+    SIZE = 0  # reading a chunk line (size, extensions, CRLF)
     DATA = 1  # inside chunk data
     DATA_CRLF = 2  # expecting the CRLF after chunk data
-    LAST_CRLF = 3  # after "0\r\n": expecting the CRLF that ends an empty trailer section
+    TRAILER = 3  # after the last chunk: trailer field lines up to an empty line (7.1.2)
     DONE = 4
 
 
@@ -52,6 +75,8 @@ class BodyReader:
         "_line",
         "_remaining",
         "_status",
+        "_trailer_bytes",
+        "_trailer_count",
         "bytes_read",
     )
 
@@ -66,6 +91,8 @@ class BodyReader:
         self._chunk_remaining = 0
         self._line = bytearray()
         self._crlf_seen = 0
+        self._trailer_bytes = 0
+        self._trailer_count = 0
         self.bytes_read = 0
 
     @classmethod
@@ -128,7 +155,6 @@ class BodyReader:
         out: list[bytes] = []
         pos = 0
         n = len(data)
-        status = self._status
         while pos < n:
             state = self._chunk_state
             if state is _Chunk.DATA:
@@ -139,63 +165,110 @@ class BodyReader:
                 if self._chunk_remaining == 0:
                     self._chunk_state = _Chunk.DATA_CRLF
                     self._crlf_seen = 0
-            elif state is _Chunk.SIZE:
-                # Accumulate the chunk-size line up to its LF, refusing as soon as it cannot
-                # be "1*16HEXDIG CRLF" any more (so a refusal never waits for more input).
-                lf = data.find(b"\n", pos)
-                stop = n if lf < 0 else lf + 1
-                self._line += data[pos:stop]
-                pos = stop
-                line = self._line
-                if len(line) > self._limits.max_chunk_line:
-                    raise refuse("chunk-size line too long", status)
-                if lf < 0:
-                    # Still a prefix of "1*16HEXDIG CR"? Refuse now if it cannot become one.
-                    if _CHUNK_SIZE_PREFIX_RE.fullmatch(line) is None:
-                        raise refuse(_describe_chunk_line(bytes(line)), status)
-                    continue
-                if (
-                    not line.endswith(b"\r\n")
-                    or _CHUNK_SIZE_RE.fullmatch(line, 0, len(line) - 2) is None
-                ):
-                    raise refuse(_describe_chunk_line(bytes(line)), status)
-                size = int(line[:-2], 16)
-                self._line = bytearray()
-                if size == 0:
-                    self._chunk_state = _Chunk.LAST_CRLF
-                    self._crlf_seen = 0
-                else:
-                    self._chunk_state = _Chunk.DATA
-                    self._chunk_remaining = size
-            else:
-                # DATA_CRLF / LAST_CRLF: exactly CRLF, byte by byte. CVE-2025-43859 was h11
-                # accepting any two bytes after chunk data; a non-empty trailer section
-                # (RFC 9112 7.1.2) is refused rather than parsed, as is a bare LF.
-                expected = b"\r\n"[self._crlf_seen]
-                if data[pos] != expected:
-                    if state is _Chunk.LAST_CRLF and self._crlf_seen == 0:
-                        raise refuse("trailer fields are not accepted", status)
-                    raise refuse("chunk data not followed by CRLF", status)
+            elif state is _Chunk.DATA_CRLF:
+                # Exactly CRLF, byte by byte. CVE-2025-43859 was h11 accepting any two bytes
+                # after chunk data; a bare LF is refused too.
+                if data[pos] != b"\r\n"[self._crlf_seen]:
+                    raise refuse("chunk data not followed by CRLF", self._status)
                 pos += 1
                 self._crlf_seen += 1
                 if self._crlf_seen == 2:
-                    if state is _Chunk.LAST_CRLF:
-                        self._chunk_state = _Chunk.DONE
-                        self._done = True
-                        self._leftover += data[pos:]
-                        break
                     self._chunk_state = _Chunk.SIZE
+            else:
+                # A line (chunk line or trailer line): accumulate it up to its LF.
+                lf = data.find(b"\n", pos)
+                stop = n if lf < 0 else lf + 1
+                before = len(self._line)
+                self._line += data[pos:stop]
+                pos = stop
+                if state is _Chunk.SIZE:
+                    self._chunk_line(before, lf >= 0)
+                elif self._trailer_line(before, lf >= 0):
+                    self._chunk_state = _Chunk.DONE
+                    self._done = True
+                    self._leftover += data[pos:]
+                    break
         result = b"".join(out)
         self.bytes_read += len(result)
         return result
 
+    def _chunk_line(self, before: int, complete: bool) -> None:
+        """Check the chunk line accumulated so far (`before` bytes of it checked already); once
+        `complete`, read its size and move on. Refuses as described in the module docstring."""
+        line = self._line
+        status = self._status
+        if len(line) > self._limits.max_chunk_line:
+            raise refuse("chunk line too long", status)
+        if not complete:
+            semi = line.find(b";", 0, 18)
+            if semi < 0:
+                # Still a prefix of "1*16HEXDIG CR"? Refuse now if it cannot become one.
+                if _CHUNK_SIZE_PREFIX_RE.fullmatch(line) is None:
+                    raise refuse(_describe_chunk_line(bytes(line)), status)
+            elif (
+                _CHUNK_SIZE_RE.fullmatch(line, 0, semi) is None
+                or LINE_BAD_BYTE_RE.search(line, max(semi, before - 1)) is not None
+            ):
+                raise refuse(_describe_chunk_line(bytes(line)), status)
+            return
+        if not line.endswith(b"\r\n"):
+            raise refuse(_describe_chunk_line(bytes(line)), status)
+        digits = len(line) - 2
+        if _CHUNK_SIZE_RE.fullmatch(line, 0, digits) is None:
+            # RFC 9112 7.1.1: extensions are parsed, then ignored.
+            match = CHUNK_LINE_RE.fullmatch(line, 0, digits)
+            if match is None:
+                raise refuse(_describe_chunk_line(bytes(line)), status)
+            digits = match.end(1)
+        size = int(line[:digits], 16)
+        self._line = bytearray()
+        if size == 0:
+            self._chunk_state = _Chunk.TRAILER
+        else:
+            self._chunk_state = _Chunk.DATA
+            self._chunk_remaining = size
+
+    def _trailer_line(self, before: int, complete: bool) -> bool:
+        """Check the trailer line accumulated so far; True once the empty line ends the section.
+
+        RFC 9112 7.1.2: trailer-section = *( field-line CRLF ), read by the field-line grammar
+        and held to the header limits (count and bytes), then dropped.
+        """
+        line = self._line
+        status = self._status
+        limits = self._limits
+        if self._trailer_bytes + len(line) > limits.max_header_bytes:
+            raise refuse(f"trailer section larger than {limits.max_header_bytes} bytes", status)
+        if not complete:
+            if LINE_BAD_BYTE_RE.search(line, max(0, before - 1)) is not None:
+                raise refuse(_describe_trailer_line(bytes(line)), status)
+            return False
+        self._trailer_bytes += len(line)
+        self._line = bytearray()
+        if line == b"\r\n":
+            return True
+        end = len(line) - 2
+        if not line.endswith(b"\r\n") or FIELD_LINE_RE.fullmatch(line, 0, end) is None:
+            raise refuse(_describe_trailer_line(bytes(line)), status)
+        self._trailer_count += 1
+        if self._trailer_count > limits.max_header_count:
+            raise refuse(f"more than {limits.max_header_count} trailer fields", status)
+        name = bytes(line[: line.index(b":")]).lower()
+        if name in _TRAILER_FORBIDDEN:
+            raise refuse(f"{name.decode()} in a trailer section (RFC 9110 6.5.1)", status)
+        return False
+
 
 def _describe_chunk_line(line: bytes) -> str:
-    if b";" in line:
-        return "chunk extensions are not accepted (RFC 9112 7.1.1)"
     if line.endswith(b"\n") and not line.endswith(b"\r\n"):
-        return "bare LF in chunk-size line"
+        return "bare LF in chunk line"
     digits = len(line) - len(line.lstrip(b"0123456789abcdefABCDEF"))
     if digits > 16:
         return "chunk size too large"
-    return f"invalid chunk-size line {line[:40]!r}"
+    if digits and line[digits : digits + 1] == b";":
+        return "invalid chunk extension (RFC 9112 7.1.1)"
+    return f"invalid chunk line {line[:40]!r}"
+
+
+def _describe_trailer_line(line: bytes) -> str:
+    return f"invalid trailer field line: {describe_bad_line(line, field=True)}"

@@ -182,8 +182,8 @@ def check_incomplete(buf: bytes | bytearray, limits: Limits, side: Side) -> None
     if n == 0:
         return
     if buf[0] not in side.first_bytes:
-        # A message never starts with CR, LF, SP or a control. RFC 9112 2.2 allows a server to
-        # skip empty lines before a request line; we refuse them (so does h11).
+        # A message never starts with LF, SP or a control (a request's leading empty lines,
+        # RFC 9112 2.2, are skipped before we get here; a response never has any).
         refuse_at(buf, 1, limits, side, f"invalid {side.what} line", side.bad_status)
     max_line = limits.max_request_line
     lf = buf.find(b"\n", 0, min(n, max_line + 2))

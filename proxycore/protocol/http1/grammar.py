@@ -39,6 +39,9 @@ class Limits:
     max_header_count: int = 100  # field lines -> 431
     max_header_bytes: int = 32768  # whole head, start line through the final CRLFCRLF -> 431
     max_chunk_line: int = 1024  # a chunk-size line with its CRLF -> 400 (sizes: <= 16 hex digits)
+    # Empty lines (CRLF) skipped before a request line (RFC 9112 2.2) -> 400 beyond. The trailer
+    # section of a chunked body is held to max_header_count and max_header_bytes.
+    max_empty_lines: int = 4
 
 
 DEFAULT_LIMITS = Limits()
@@ -114,6 +117,35 @@ STATUS_LINE_PREFIX_RE = re.compile(
 FIELD_LINE_RE = re.compile(_FIELD_LINE)
 # Every prefix of "<field line>\r", or "\r" (the start of the blank line that ends the head).
 FIELD_LINE_PREFIX_RE = re.compile(rb"(?:" + TOKEN + rb"(?::" + VALUE_CHARS + rb"\r?)?|\r)?")
+
+# chunk = chunk-size [ chunk-ext ] CRLF (RFC 9112 section 7.1); chunk-size = 1*HEXDIG, of which
+# we allow at most 16 digits (2**64 - 1).
+#   chunk-ext      = *( BWS ";" BWS chunk-ext-name [ BWS "=" BWS chunk-ext-val ] )   (7.1.1)
+#   chunk-ext-name = token ; chunk-ext-val = token / quoted-string
+#   quoted-string  = DQUOTE *( qdtext / quoted-pair ) DQUOTE                  (RFC 9110 5.6.4)
+#   qdtext         = HTAB / SP / %x21 / %x23-5B / %x5D-7E / obs-text
+#   quoted-pair    = "\" ( HTAB / SP / VCHAR / obs-text )
+# Extensions are parsed by that grammar and then ignored (never forwarded: the proxy re-frames
+# every body it relays). One deliberate restriction: no BWS before the first ";" -- h11 refuses
+# "5 ;x", and "size SP" is where parsers have disagreed about where the size ends. No CR, LF or
+# other control can occur in an extension, so the first LF ends the line for every reader.
+_HEX = rb"[0-9A-Fa-f]"
+_BWS = rb"[ \t]*+"
+_QDTEXT = rb"[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]"
+_QPAIR = rb"\\[\t \x21-\x7e\x80-\xff]"
+_QUOTED = rb'"(?:' + _QDTEXT + rb"|" + _QPAIR + rb')*+"'
+# Possessive throughout: each piece ends where the next cannot begin, so nothing is given back.
+_EXT = (
+    _BWS + TCHAR + rb"++(?:" + _BWS + rb"=" + _BWS + rb"(?:" + TCHAR + rb"++|" + _QUOTED + rb"))?+"
+)
+# A complete chunk line without its CRLF; group 1 is the size.
+CHUNK_LINE_RE = re.compile(
+    rb"(" + _HEX + rb"{1,16})(?:;" + _EXT + rb"(?:" + _BWS + rb";" + _EXT + rb")*+)?"
+)
+# While a chunk extension or a trailer line is still arriving, only its new bytes are checked (a
+# control, or a CR that is not the last byte so far): a linear test per read, where the grammar
+# would be quadratic for a peer that trickles the line. The grammar is applied at its LF.
+LINE_BAD_BYTE_RE = re.compile(rb"\r(?=[\s\S])|[^\t\x20-\x7e\x80-\xff\r]")
 
 TCHARS = frozenset(b"-!#$%&'*+.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 MAX_CONTENT_LENGTH = 2**63 - 1

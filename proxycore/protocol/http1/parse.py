@@ -185,6 +185,8 @@ def reference_parse_request_head(
     buf: bytes | bytearray, limits: Limits = DEFAULT_LIMITS
 ) -> tuple[RequestHead, int] | None:
     """`parse_request_head` in Python alone: the behaviour the C scanner is held to."""
+    if buf[:1] == b"\r":
+        return _after_empty_lines(buf, limits)
     # RFC 9112 2.2: the head ends at the first empty line. Search only where a head within the
     # size limit could end.
     idx = buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
@@ -213,6 +215,34 @@ def reference_parse_request_head(
         expect_continue,
         nominates,
     ), idx + 4
+
+
+def _after_empty_lines(buf: bytes | bytearray, limits: Limits) -> tuple[RequestHead, int] | None:
+    """The request after the empty lines that lead `buf` (the C scanner defers on these).
+
+    RFC 9112 2.2: "a server that is expecting to receive and parse a request-line SHOULD ignore
+    at least one empty line (CRLF) received prior to the request-line" (a client may send one
+    after a POST body). We skip up to `limits.max_empty_lines` CRLFs and refuse more, and a bare
+    CR or LF, as everywhere in a head. The head's `raw` does not hold them; the count of bytes
+    used does. Each verdict is taken on a prefix every segmentation reaches (a complete CRLF).
+    """
+    skip = 0
+    n = len(buf)
+    while skip < n and buf[skip] == 0x0D:
+        if skip + 1 == n:
+            return None
+        if buf[skip + 1] != 0x0A:
+            raise refuse("invalid request line: bare CR in message head (RFC 9112 2.2)", 400)
+        skip += 2
+        if skip > 2 * limits.max_empty_lines:
+            raise refuse(
+                f"more than {limits.max_empty_lines} empty lines before the request line", 400
+            )
+    parsed = reference_parse_request_head(buf[skip:], limits)
+    if parsed is None:
+        return None
+    head, used = parsed
+    return head, used + skip
 
 
 def _request_head(
