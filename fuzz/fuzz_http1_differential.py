@@ -170,6 +170,9 @@ _OTHER_FIELDS = (
     (b"X-Ws", b"  spaced  out \t"),
     (b"X-Empty", b""),
     (b"Upgrade", b"websocket"),
+    (b"Transfer_Encoding", b"chunked"),
+    (b"Content_Length", b"5"),
+    (b"X_Y", b"1"),
 )
 _CHUNK_SIZE_FORMS = (
     b"%x",

@@ -1144,7 +1144,7 @@ class ClientConnection:
         else:
             headers = [
                 (name, scrubber.scrub(value))
-                for name, value in http1.strip_hop_by_hop(response.headers)
+                for name, value in http1.strip_hop_by_hop(response.headers, keep_underscores=True)
                 if not (drop is _RESPONSE_DROP_LENGTH and name == b"content-length")
             ]
             headers.extend(extra)
@@ -1306,7 +1306,9 @@ _ABSOLUTE_TARGET_RE = re.compile(rb"([^/?#]*)([^#]*)")
 _REQUEST_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING)
 _METHODS_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
 # A response whose body is re-framed drops the upstream's length (and never relays its framing).
-_RESPONSE_DROP_LENGTH = http1.compile_drop(http1.HOP_BY_HOP | {b"content-length"})
+_RESPONSE_DROP_LENGTH = http1.compile_drop(
+    http1.HOP_BY_HOP | {b"content-length"}, keep_underscores=True
+)
 _CONTENT_ENCODING_RE = re.compile(rb"(?i)\r\ncontent-encoding[ \t]*:")
 
 

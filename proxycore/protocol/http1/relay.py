@@ -28,27 +28,43 @@ __all__ = [
 
 
 class DropSet:
-    """Field names `relay_fields` cuts out: a regex for the reference path, a mask for C."""
+    """Field names `relay_fields` cuts out: a regex for the reference path, a mask for C.
 
-    __slots__ = ("mask", "names", "pattern")
+    Unless `keep_underscores`, every field whose name holds "_" is cut out too (see
+    `serialize.strip_hop_by_hop`, which does the same on the general path).
+    """
 
-    def __init__(self, names: Iterable[bytes]) -> None:
+    __slots__ = ("keep_underscores", "mask", "names", "pattern")
+
+    def __init__(self, names: Iterable[bytes], *, keep_underscores: bool = False) -> None:
         self.names = frozenset(name.lower() for name in names)
-        alternatives = b"|".join(
-            re.escape(name) for name in sorted(self.names, key=len, reverse=True)
-        )
+        self.keep_underscores = keep_underscores
+        alternatives = [re.escape(name) for name in sorted(self.names, key=len, reverse=True)]
+        if not keep_underscores:
+            # A name holding "_" (an accepted head's names are tokens, directly before ":").
+            alternatives.append(rb"[^:\r_]*+_[^:\r]*+")
         # Whole field lines (with their leading CRLF) of the given names.
-        self.pattern = re.compile(rb"\r\n(?:" + alternatives + rb"):[^\r]*", re.IGNORECASE)
+        self.pattern = re.compile(
+            rb"\r\n(?:" + b"|".join(alternatives) + rb"):[^\r]*", re.IGNORECASE
+        )
         # None when a name is beyond what the C relay knows: the regex serves.
-        self.mask = _native.drop_mask(self.names) if _native.AVAILABLE else None
+        self.mask = (
+            _native.drop_mask(self.names, underscores=not keep_underscores)
+            if _native.AVAILABLE
+            else None
+        )
 
 
-def compile_drop(names: Iterable[bytes]) -> DropSet:
-    """The drop set for `relay_fields` of these field names (case-insensitive)."""
-    return DropSet(names)
+def compile_drop(names: Iterable[bytes], *, keep_underscores: bool = False) -> DropSet:
+    """The drop set for `relay_fields` of these field names (case-insensitive), and of every
+    name holding an underscore unless `keep_underscores` (responses: see `RESPONSE_DROP`)."""
+    return DropSet(names, keep_underscores=keep_underscores)
 
 
-RESPONSE_DROP = compile_drop(HOP_BY_HOP)
+# Responses keep their underscored fields: the "_" to "-" mapping that makes them dangerous is a
+# server's (CGI-style environments read request fields); the agent's HTTP clients have no such
+# mapping, and nginx and Envoy apply their underscore rules to requests only.
+RESPONSE_DROP = compile_drop(HOP_BY_HOP, keep_underscores=True)
 
 
 def relay_fields(head: RequestHead | ResponseHead, drop: DropSet) -> bytes | None:

@@ -90,10 +90,20 @@ def encode_chunk(data: bytes) -> bytes:
 _NEVER_NOMINATED = frozenset({b"content-length", b"host"})
 
 
-def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Drop hop-by-hop fields and every field named in a Connection field (RFC 9110 7.6.1).
+def strip_hop_by_hop(
+    headers: Iterable[tuple[bytes, bytes]], *, keep_underscores: bool = False
+) -> list[tuple[bytes, bytes]]:
+    """Drop hop-by-hop fields and every field named in a Connection field (RFC 9110 7.6.1), and,
+    unless `keep_underscores`, every field whose name holds an underscore.
 
     Names are compared case-insensitively. Connection cannot remove Content-Length or Host.
+
+    Underscores: a name such as "Transfer_Encoding" is a valid token, and a back end that maps
+    "_" to "-" (CGI, and the frameworks that read fields from a CGI-style environment) reads it
+    as "Transfer-Encoding": a second framing field that this proxy never saw as one. nginx drops
+    such request fields by default (underscores_in_headers off), Envoy can drop or refuse them
+    (headers_with_underscores_action). We drop them from every request we forward; the caller
+    passes `keep_underscores` for responses (see relay.RESPONSE_DROP).
     """
     items = list(headers)
     drop = set(HOP_BY_HOP)
@@ -101,4 +111,8 @@ def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes
         if name.lower() == b"connection":
             drop.update(comma_tokens(value))
     drop -= _NEVER_NOMINATED
-    return [(name, value) for name, value in items if name.lower() not in drop]
+    return [
+        (name, value)
+        for name, value in items
+        if name.lower() not in drop and (keep_underscores or b"_" not in name)
+    ]
