@@ -122,7 +122,9 @@ class RecordingUpstream:
                     headers = [(b"content-length", b"%d" % len(body))]
                     headers += self.response_fields(current)
                     out = conn.send(h11.Response(status_code=200, headers=headers))
-                    out += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+                    if current.method != b"HEAD":
+                        out += conn.send(h11.Data(data=body))
+                    out += conn.send(h11.EndOfMessage())
                     sock.sendall(out)
                     current = None
                     if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
