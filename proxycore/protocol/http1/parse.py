@@ -185,15 +185,19 @@ def reference_parse_request_head(
     buf: bytes | bytearray, limits: Limits = DEFAULT_LIMITS
 ) -> tuple[RequestHead, int] | None:
     """`parse_request_head` in Python alone: the behaviour the C scanner is held to."""
-    if buf[:1] == b"\r":
-        return _after_empty_lines(buf, limits)
     # RFC 9112 2.2: the head ends at the first empty line. Search only where a head within the
     # size limit could end.
     idx = buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
+    # Leading empty lines (RFC 9112 2.2) fail both the search and the regex below (a request
+    # line starts with a tchar), so they cost the common case nothing.
     if idx < 0:
+        if buf[:1] == b"\r":
+            return _after_empty_lines(buf, limits)
         check_incomplete(buf, limits, REQUEST_SIDE)
         return None
     if REQUEST_HEAD_RE.fullmatch(buf, 0, idx + 2) is None:
+        if buf[:1] == b"\r":
+            return _after_empty_lines(buf, limits)
         refuse_at(buf, idx + 2, limits, REQUEST_SIDE, "invalid request head", 400)
     raw = bytes(buf[: idx + 4])
     start, http_version, chunked, content_length, close, expect_continue, host_count, nominates = (
