@@ -41,7 +41,13 @@ from proxycore.protocol.http1 import (
 
 _METHODS = (b"GET", b"HEAD", b"POST", b"CONNECT")
 # Small limits so that the limit paths (414, 431, long chunk lines) are reachable by short inputs.
-_LIMITS = Limits(max_request_line=64, max_header_count=6, max_header_bytes=256, max_chunk_line=12)
+_LIMITS = Limits(
+    max_request_line=64,
+    max_header_count=6,
+    max_header_bytes=256,
+    max_chunk_line=12,
+    max_empty_lines=2,
+)
 _MAX_MESSAGES = 8
 
 _REQUEST_TEMPLATES = (
@@ -251,6 +257,18 @@ SEEDS: tuple[bytes, ...] = (
     b"\x01HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\nframes",
     b"\x19" + b"ffffffffffffffff\r\n",
     b"\x19" + b"10000000000000000\r\n",
+    # RFC 9112 2.2, 7.1.1, 7.1.2: leading empty lines, chunk extensions, trailer fields.
+    b"\x00\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"\x00\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"\x00\r\r\n",
+    b"\x10" + b'5;a="b"\r\nhello\r\n0;c\r\n\r\n',
+    b"\x10" + b"5;a\x01\r\nhello\r\n0\r\n\r\n",
+    b"\x10" + b"5;a\rb\r\nhello\r\n0\r\n\r\n",
+    b"\x10" + b"0\r\nX: 1\r\nY: 2\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"\x10" + b"0\r\nX: 1\r\n" + b"Y: 2\r\n" * 8 + b"\r\n",
+    b"\x10" + b"0\r\nX: " + b"v" * 300 + b"\r\n\r\n",
+    b"\x10" + b"0\r\nContent-Length: 1\r\n\r\n",
+    b"\x11" + b"0\r\nX: 1\rY\r\n\r\n",
 )
 
 

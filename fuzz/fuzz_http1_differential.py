@@ -10,13 +10,18 @@ responses), the same headers (lowercased names, stripped values, in order), the 
 same body bytes, the same end of message and the same leftover (the next pipelined message).
 It may refuse what h11 accepts; it may never accept what h11 rejects, nor end a message where
 h11 does not (or the reverse): two readings of one byte stream is how smuggling happens.
+One normalization, defined by the RFC rather than by either parser: the empty lines before a
+request line that RFC 9112 2.2 asks a server to ignore (we skip a bounded number; h11 refuses
+them) are removed before h11 reads a request (`leading_empty_lines`). Chunk extensions and
+trailer fields are read by both and dropped by us; body, end of message and leftover must agree.
 
 Input layout: the first byte selects the mode.
 - bit 0: request (server side) or response (client side, request method from bits 1-2);
 - bit 3: raw (the rest is the message bytes) or structured: the rest drives a generator that
   assembles a message from a valid template with targeted mutations (duplicate and conflicting
-  framing headers, TE+CL, obs-fold, bare LF/CR, odd whitespace, chunk-size variants, trailers,
-  pipelining) so that disagreements are found in seconds, not hours.
+  framing headers, TE+CL, obs-fold, bare LF/CR, odd whitespace, chunk-size and chunk-extension
+  variants, trailers, leading empty lines, pipelining) so that disagreements are found in
+  seconds, not hours.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from h11._connection import _keep_alive
 
 from proxycore.errors import HttpProtocolError
 from proxycore.protocol.http1 import (
+    DEFAULT_LIMITS,
     BodyKind,
     BodyReader,
     RequestHead,
@@ -164,6 +170,9 @@ _OTHER_FIELDS = (
     (b"X-Ws", b"  spaced  out \t"),
     (b"X-Empty", b""),
     (b"Upgrade", b"websocket"),
+    (b"Transfer_Encoding", b"chunked"),
+    (b"Content_Length", b"5"),
+    (b"X_Y", b"1"),
 )
 _CHUNK_SIZE_FORMS = (
     b"%x",
@@ -172,6 +181,14 @@ _CHUNK_SIZE_FORMS = (
     b"0%x",
     b"0x%x",
     b"%x;ext=1",
+    b'%x;a="b;c" ; d',
+    b"%x; a = b",
+    b'%x;a="x\\"y"',
+    b"%x ;a",
+    b"%x;a\rb",
+    b'%x;a="b',
+    b"%x;",
+    b"%x;a=\x01",
     b"%x ",
     b" %x",
     b"%x\t",
@@ -186,6 +203,15 @@ _LAST_CHUNKS = (
     b"0\r\nX-Trailer: 1\r\n\r\n",
     b"000\r\n\r\n",
     b"0;x\r\n\r\n",
+    b"0;a=b;c\r\n\r\n",
+    b"0\r\nX-T: 1\r\nY: 2 \r\n\r\n",
+    b"0\r\nContent-Length: 5\r\n\r\n",
+    b"0\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"0\r\nX: a\x01\r\n\r\n",
+    b"0\r\nX : 1\r\n\r\n",
+    b"0\r\nX: 1\r\n 2\r\n\r\n",
+    b"0\r\nX:1\n\r\n",
+    b"0\r\nX:1\r\n\n",
     b"0\r\n",
     b"0\r\n\r",
 )
@@ -248,7 +274,9 @@ def _gen_request(c: _Choices) -> bytes:
     sp1, sp2 = c.pick(_SP_OPTIONS), c.pick(_SP_OPTIONS)
     line = c.pick(_METHOD_OPTIONS) + sp1 + c.pick(_TARGET_OPTIONS) + sp2 + c.pick(_VERSION_OPTIONS)
     lines, length, framing = _gen_fields(c, request=True)
-    out = bytearray(c.pick((b"", b"", b"", b"", b"\r\n", b"\n", b" ")))
+    out = bytearray(
+        c.pick((b"", b"", b"", b"", b"\r\n", b"\n", b" ", b"\r\n\r\n", b"\r\n" * 5, b"\r\r\n"))
+    )
     out += line + c.pick(_EOL_OPTIONS)
     for field in lines:
         out += field + c.pick(_EOL_OPTIONS)
@@ -413,12 +441,28 @@ def check_reserialized_response(head: ResponseHead) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def leading_empty_lines(buf: bytes) -> int:
+    """How many bytes of empty lines (CRLF) lead `buf`, counting at most as many as we skip.
+
+    RFC 9112 2.2 asks a server to ignore at least one empty line before a request line; h11
+    refuses it ("no request line received"). The oracle is therefore h11 reading the bytes after
+    the empty lines that we skip: the only place where we accept what h11 refuses, and where the
+    reading is defined by the RFC, not by either parser.
+    """
+    skip = 0
+    while skip < 2 * DEFAULT_LIMITS.max_empty_lines and buf[skip : skip + 2] == b"\r\n":
+        skip += 2
+    return skip
+
+
 def check_requests(message: bytes) -> None:
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_BIG)
-    conn.receive_data(message)
-    oracle = _Oracle(conn)
     buf = message
     for _ in range(4):  # up to 4 pipelined requests
+        # One h11 connection per request (the cycle h11 would start after our response), fed
+        # the bytes after the empty lines RFC 9112 2.2 tells us to skip.
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_BIG)
+        conn.receive_data(buf[leading_empty_lines(buf) :])
+        oracle = _Oracle(conn)
         try:
             parsed = parse_request_head(buf)
         except HttpProtocolError:
@@ -480,15 +524,10 @@ def check_requests(message: bytes) -> None:
         _check(body == h11_body, "body differs", body, h11_body)
         leftover = reader.take_leftover()
         _check(leftover == conn.trailing_data[0], "leftover differs", leftover, conn.trailing_data)
-        # Next cycle: h11 needs our response first. Stop where h11 would switch protocols or
-        # close (CONNECT, Upgrade, no keep-alive).
+        # Next cycle. Stop where h11 would switch protocols or close (CONNECT, Upgrade, no
+        # keep-alive).
         if conn.their_state is not h11.DONE or not head.keep_alive:
             return
-        conn.send(h11.Response(status_code=200, headers=[(b"content-length", b"0")]))
-        conn.send(h11.EndOfMessage())
-        if conn.our_state is not h11.DONE:
-            return
-        conn.start_next_cycle()
         buf = leftover
         if not buf:
             return
@@ -597,6 +636,10 @@ SEEDS: tuple[bytes, ...] = (
     b"\x01HTTP/1.0 200 OK\r\n\r\nuntil close",
     b"\x07HTTP/1.1 200 Connection established\r\n\r\n",
     b"\x01HTTP/1.1 200\r\nContent-Length: 0\r\n\r\n",
+    b"\x00\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n\r\n\r\nGET /b HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b'5;a="b;c" ; d\r\nhello\r\n0;e=f\r\nX-T: 1\r\nY: \r\n\r\n',
+    b"\x05HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;x\r\nok\r\n0\r\nT: 1\r\n\r\n",
     *(
         bytes([selector]) + bytes(range(i, i + 24))
         for selector in (8, 9, 11, 13, 15)

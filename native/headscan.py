@@ -45,11 +45,14 @@ FLAG_CHUNKED = 1
 FLAG_CLOSE = 2
 FLAG_EXPECT_CONTINUE = 4
 FLAG_NOMINATES = 8
+# headscan.h APX_DROP_UNDERSCORE: drop every field whose name holds "_".
+DROP_UNDERSCORE = 1 << 31
 
 
-def drop_mask(names: frozenset[bytes]) -> int | None:
-    """The drop mask for these (lowercase) field names, or None if one is not in MASK_NAMES."""
-    mask = 0
+def drop_mask(names: frozenset[bytes], *, underscores: bool = False) -> int | None:
+    """The drop mask for these (lowercase) field names, and for every name holding "_" if
+    `underscores`; None if a name is not in MASK_NAMES."""
+    mask = DROP_UNDERSCORE if underscores else 0
     for name in names:
         if name not in MASK_NAMES:
             return None

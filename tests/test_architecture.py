@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GROUND = ["control", "config", "errors"]
 SANS_IO = [
     *(ROOT / "proxycore" / f"{name}.py" for name in GROUND),
-    *sorted((ROOT / "proxycore" / "protocol").glob("*.py")),
+    *sorted((ROOT / "proxycore" / "protocol").rglob("*.py")),
 ]
 
 
@@ -32,7 +32,9 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", SANS_IO, ids=lambda path: path.stem)
+@pytest.mark.parametrize(
+    "path", SANS_IO, ids=lambda path: str(path.relative_to(ROOT / "proxycore"))
+)
 def test_protocol_modules_are_sans_io(path: Path) -> None:
     imports = imported_modules(path)
     assert not imports & {"trio", "socket", "asyncio", "ssl", "selectors"}, imports

@@ -63,16 +63,28 @@ DIFFERENTIAL_EDGES: tuple[bytes, ...] = (
     b"\x00GET / HTTP/1.1\r\nHost: a\r\n\n",  # h11 ends the head at "\n\r?\n"
     b"\x00GET / HTTP/1.1\r\nHost: a\n\r\n\r\n",
     b"\x00GET / HTTP/1.1\r\nHost: a\r\nX: 1\r\n 2\r\n\r\n",  # obs-fold: h11 joins, we refuse
-    b"\x00\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"\x00\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",  # RFC 9112 2.2: we skip it, h11 refuses
+    b"\x00\r\n\r\n\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",  # over our bound
+    b"\x00\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",  # h11 skips a bare LF too; we refuse
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3, 3\r\n\r\nabc",  # h11 dedups
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n"
     b"0\r\n\r\n",  # h11: TE wins; we refuse
     b"\x00POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
-    b"3;x=y\r\nabc\r\n0\r\n\r\n",  # chunk extension: h11 skips it, we refuse
+    b"3;x=y\r\nabc\r\n0\r\n\r\n",  # chunk extension: both skip it (RFC 9112 7.1.1)
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3 \r\nabc\r\n0\r\n\r\n",
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX: y\r\n\r\n",
+    b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"0\r\nContent-Length: 3\r\n\r\n",  # h11 reads a trailer CL; we refuse (RFC 9110 6.5.1)
+    b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"0\r\nX: y\n\r\n",  # h11 ends trailers at "\n\r\n"; we refuse bare LF
+    b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"3;a\rb\r\nabc\r\n0\r\n\r\n",  # h11's ";.*" takes a bare CR; we refuse
+    b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"3 ;a\r\nabc\r\n0\r\n\r\n",  # BWS before ";": both refuse
+    b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b'3;a="\\"x;\r\nabc\r\n0\r\n\r\n',  # open quoted-string: h11 yes, we no
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\n",
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXX0\r\n\r\n",
     b"\x00POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"

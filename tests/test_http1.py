@@ -273,7 +273,11 @@ SMUGGLING: list[tuple[str, bytes, int]] = [
     ("no Host in 1.1", b"GET / HTTP/1.1\r\n\r\n", 400),
     ("two Hosts", b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
     ("two Hosts in 1.0", b"GET / HTTP/1.0\r\nHost: a\r\nhost: a\r\n\r\n", 400),
-    ("leading CRLF", b"\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+    # RFC 9112 2.2: up to max_empty_lines leading CRLFs are skipped (test_http1_accept.py)
+    ("leading LF", b"\nGET / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+    ("leading CR", b"\rGET / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+    ("leading CRLF LF", b"\r\n\nGET / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+    ("five leading CRLF", b"\r\n" * 5 + b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
     ("leading space", b" GET / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
     ("double space", b"GET  / HTTP/1.1\r\nHost: a\r\n\r\n", 400),
     ("tab separator", b"GET\t/ HTTP/1.1\r\nHost: a\r\n\r\n", 400),
@@ -289,8 +293,16 @@ SMUGGLING: list[tuple[str, bytes, int]] = [
     ("HTTP/0.9", b"GET / HTTP/0.9\r\n\r\n", 505),
     ("TLS on a plaintext port", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 400),
     # Chunked framing (RFC 9112 7.1)
-    ("chunk extension", _H + b"Transfer-Encoding: chunked\r\n\r\n5;a=b\r\nhello\r\n0\r\n\r\n", 400),
-    ("chunk ext on last", _H + b"Transfer-Encoding: chunked\r\n\r\n0;a\r\n\r\n", 400),
+    # Chunk extensions are read by their grammar (test_http1_accept.py); outside it, refused.
+    (
+        "chunk ext BWS first",
+        _H + b"Transfer-Encoding: chunked\r\n\r\n5 ;a\r\nhello\r\n0\r\n\r\n",
+        400,
+    ),
+    ("chunk ext bare CR", _H + b"Transfer-Encoding: chunked\r\n\r\n0;a\rb\r\n\r\n", 400),
+    ("chunk ext bare LF", _H + b"Transfer-Encoding: chunked\r\n\r\n0;a\nb\r\n\r\n", 400),
+    ("chunk ext open quote", _H + b'Transfer-Encoding: chunked\r\n\r\n0;a="b\r\n\r\n', 400),
+    ("chunk ext NUL", _H + b"Transfer-Encoding: chunked\r\n\r\n0;a=\x00\r\n\r\n", 400),
     ("chunk size 0x", _H + b"Transfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n", 400),
     ("chunk size space", _H + b"Transfer-Encoding: chunked\r\n\r\n5 \r\nhello\r\n0\r\n\r\n", 400),
     ("chunk size lead sp", _H + b"Transfer-Encoding: chunked\r\n\r\n 5\r\nhello\r\n0\r\n\r\n", 400),
@@ -304,7 +316,9 @@ SMUGGLING: list[tuple[str, bytes, int]] = [
         _H + b"Transfer-Encoding: chunked\r\n\r\n3\r\nhello\r\n0\r\n\r\n",
         400,
     ),
-    ("trailer present", _H + b"Transfer-Encoding: chunked\r\n\r\n0\r\nX-T: 1\r\n\r\n", 400),
+    # Trailer fields are read and dropped (test_http1_accept.py); framing among them refused.
+    ("trailer CL", _H + b"Transfer-Encoding: chunked\r\n\r\n0\r\nContent-Length: 1\r\n\r\n", 400),
+    ("trailer obs-fold", _H + b"Transfer-Encoding: chunked\r\n\r\n0\r\nX: 1\r\n 2\r\n\r\n", 400),
     ("LF ends chunked", _H + b"Transfer-Encoding: chunked\r\n\r\n0\r\n\n", 400),
     ("truncated chunked", _H + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhel", 400),
     ("truncated length", _H + b"Content-Length: 5\r\n\r\nhel", 400),
@@ -322,7 +336,9 @@ def test_refusal_while_incomplete_is_immediate() -> None:
     # No need to wait for the end of the head to refuse these.
     for data, status in [
         (b"\x16\x03", 400),
-        (b"\r\n", 400),
+        (b"\r\n\n", 400),
+        (b"\r\r", 400),
+        (b"\r\n" * 5, 400),
         (b"GET / HTTP/2.0\r\n", 505),
         (b"GET  / HTTP/1.1\r\n", 400),
         (b"GET / HTTP/1.1\n", 400),
@@ -466,7 +482,7 @@ def test_response_body_errors_hint_502() -> None:
     assert parsed is not None
     reader = BodyReader.for_response(parsed[0])
     with pytest.raises(HttpProtocolError) as info:
-        reader.feed(b"5;ext\r\n")
+        reader.feed(b"5 ;ext\r\n")
     assert info.value.status_hint == 502
 
 

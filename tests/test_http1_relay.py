@@ -28,6 +28,11 @@ NAMES = [
     b"Accept",
     b"x-upgrade",
     b"Tee",
+    b"Transfer_Encoding",
+    b"Content_Length",
+    b"X_A",
+    b"_",
+    b"x-a_",
 ]
 CONNECTION_VALUES = [
     b"keep-alive",
@@ -71,8 +76,58 @@ def test_fast_path_equals_general_path(raw: bytes) -> None:
     rebuilt = b"HTTP/1.1 200 OK" + fast + b"\r\n\r\n"
     reparsed = http1.parse_response_head(rebuilt, request_method=b"GET")
     assert reparsed is not None
-    general = [(n.lower(), v) for n, v in http1.strip_hop_by_hop(head.headers)]
+    general = [
+        (n.lower(), v) for n, v in http1.strip_hop_by_hop(head.headers, keep_underscores=True)
+    ]
     assert [(n.lower(), v) for n, v in reparsed[0].headers] == general
+    assert fast == http1.reference_relay_fields(head, http1.RESPONSE_DROP)
+
+
+_REQUEST_DROP = http1.compile_drop(http1.HOP_BY_HOP | {b"host", b"content-length", b"expect"})
+
+
+@settings(max_examples=400, deadline=None)
+@given(response_heads())
+def test_request_fast_path_equals_general_path_and_drops_underscores(raw: bytes) -> None:
+    fields = raw[len(b"HTTP/1.1 200 OK") :].replace(b"\r\nHost:", b"\r\nX-Host:")
+    raw = b"GET / HTTP/1.1\r\nHost: h" + fields
+    parsed = http1.parse_request_head(raw)
+    assert parsed is not None
+    head = parsed[0]
+    fast = http1.relay_fields(head, _REQUEST_DROP)
+    general = [
+        (n, v)
+        for n, v in http1.strip_hop_by_hop(head.headers)
+        if n not in {b"host", b"content-length", b"expect"}
+    ]
+    assert all(b"_" not in n for n, _ in general)
+    if fast is None:
+        return
+    assert fast == http1.reference_relay_fields(head, _REQUEST_DROP)
+    reparsed = http1.parse_request_head(b"GET / HTTP/1.1\r\nHost: h" + fast + b"\r\n\r\n")
+    assert reparsed is not None
+    assert list(reparsed[0].headers[1:]) == general
+
+
+def test_underscored_names_are_cut_from_requests_on_both_paths() -> None:
+    raw = (
+        b"POST / HTTP/1.1\r\nHost: h\r\nTransfer_Encoding: chunked\r\nX-Kept: 1\r\n"
+        b"content_length: 9\r\n_: x\r\nX-A_: 2\r\nContent-Length: 0\r\n\r\n"
+    )
+    parsed = http1.parse_request_head(raw)
+    assert parsed is not None
+    head = parsed[0]
+    # The parser reads them as ordinary fields: they frame nothing here.
+    assert head.get(b"transfer_encoding") == b"chunked" and head.content_length == 0
+    assert http1.relay_fields(head, _REQUEST_DROP) == b"\r\nX-Kept: 1"
+    assert http1.reference_relay_fields(head, _REQUEST_DROP) == b"\r\nX-Kept: 1"
+    assert [n for n, _ in http1.strip_hop_by_hop(head.headers)] == [
+        b"host",
+        b"x-kept",
+        b"content-length",
+    ]
+    keep = http1.compile_drop(http1.HOP_BY_HOP, keep_underscores=True)
+    assert b"Transfer_Encoding" in (http1.relay_fields(head, keep) or b"")
 
 
 def test_nomination_falls_back() -> None:

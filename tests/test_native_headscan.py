@@ -234,3 +234,26 @@ def test_the_c_name_table_matches_the_python_sets() -> None:
     server_drop = http1.HOP_BY_HOP | {b"host", b"content-length", b"expect"}
     assert headscan.drop_mask(frozenset(server_drop)) == (1 << 13) - 1
     assert headscan.drop_mask(frozenset({b"x-other"})) is None
+    assert headscan.drop_mask(frozenset({b"te"}), underscores=True) == (1 << 5) | (1 << 31)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [b"Transfer_Encoding", b"_", b"a_", b"_a", b"X-A_B-C", b"Host_", b"TE_"],
+)
+def test_relay_cuts_underscored_names_like_the_regex(names: bytes) -> None:
+    raw = b"GET / HTTP/1.1\r\nHost: a\r\n%s: 1\r\nX-Kept: 2\r\nTE: x\r\n\r\n" % names
+    parsed = http1.parse_request_head(raw)
+    assert parsed is not None
+    head = parsed[0]
+    cut = http1.compile_drop({b"te"})
+    kept = http1.compile_drop({b"te"}, keep_underscores=True)
+    assert cut.mask is not None and kept.mask is not None
+    assert headscan.relay_fields(head.raw, head.start_len, cut.mask) == (
+        b"\r\nHost: a\r\nX-Kept: 2"
+    )
+    assert http1.reference_relay_fields(head, cut) == b"\r\nHost: a\r\nX-Kept: 2"
+    assert headscan.relay_fields(head.raw, head.start_len, kept.mask) == (
+        b"\r\nHost: a\r\n%s: 1\r\nX-Kept: 2" % names
+    )
+    assert http1.reference_relay_fields(head, kept) == b"\r\nHost: a\r\n%s: 1\r\nX-Kept: 2" % names

@@ -277,7 +277,11 @@ long apx_relay_fields(const char *cbuf, size_t start_len, size_t head_len, uint3
         if (!colon) return -1; /* not an accepted head */
         const uint8_t *eol = memchr(colon, '\r', head_len + 2 - (size_t)(colon - buf));
         size_t line_end = eol ? (size_t)(eol - buf) : head_len;
-        if (!(classify(buf + name_start, (size_t)(colon - buf) - name_start) & drop_mask)) {
+        size_t name_len = (size_t)(colon - buf) - name_start;
+        int drop = (classify(buf + name_start, name_len) & drop_mask) != 0;
+        if (!drop && (drop_mask & APX_DROP_UNDERSCORE))
+            drop = memchr(buf + name_start, '_', name_len) != NULL;
+        if (!drop) {
             memcpy(out + written, buf + line_start, line_end - line_start);
             written += line_end - line_start;
         }

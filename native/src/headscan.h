@@ -32,6 +32,10 @@
 #define APX_F_EXPECT (1u << 12)
 #define APX_F_ACCEPT_ENCODING (1u << 13)
 #define APX_F_CONTENT_ENCODING (1u << 14)
+/* Not a name: drop every field whose name holds an underscore. A back end that maps "_" to "-"
+ * (CGI-style environments) would read "Transfer_Encoding" as a second framing field; nginx
+ * (underscores_in_headers off) and Envoy (headers_with_underscores_action) drop or refuse them. */
+#define APX_DROP_UNDERSCORE (1u << 31)
 
 /* What apx_scan_head writes to out[] for an accepted head. One flat array rather than a struct:
  * the Python side reads it back with a single ffi.unpack. */
@@ -56,7 +60,7 @@ int apx_scan_head(const char *buf, size_t len, int is_request, size_t max_line, 
                   size_t max_bytes, int64_t out[APX_OUT_SIZE]);
 
 /* Copy the field lines of an accepted head, each with its leading CRLF, minus those whose name
- * is in drop_mask, to out (which must hold head_len - start_len bytes). Returns the length
+ * is in drop_mask (and, with APX_DROP_UNDERSCORE, those whose name holds "_"), to out (which must hold head_len - start_len bytes). Returns the length
  * written, or -1 if cap is too small or the bytes are not an accepted head. */
 long apx_relay_fields(const char *buf, size_t start_len, size_t head_len, uint32_t drop_mask,
                       char *out, size_t cap);

@@ -396,7 +396,9 @@ class ClientConnection:
                     answer_pending=self.requests > 0,
                 )
             if not data:
-                if buffer:
+                # Empty lines a client sent after its last request (RFC 9112 2.2 lets it send
+                # them before the next one) are no request: the close is a quiet one.
+                if buffer.strip(b"\r\n"):
                     raise HttpProtocolError("connection closed inside a request head")
                 return None
             if not buffer:

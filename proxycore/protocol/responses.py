@@ -35,7 +35,8 @@ WHOLE_BODY = 64 * 1024
 
 _CONTENT_ENCODING_RE = re.compile(rb"(?i)\r\ncontent-encoding[ \t]*:")
 # A response whose body is re-framed drops the upstream's length (and never relays its framing).
-_DROP_LENGTH = http1.compile_drop(http1.HOP_BY_HOP | {b"content-length"})
+# Responses keep fields whose name holds "_" (docs/proxy.md: the rule is for requests).
+_DROP_LENGTH = http1.compile_drop(http1.HOP_BY_HOP | {b"content-length"}, keep_underscores=True)
 
 
 class BodyMode(enum.Enum):
@@ -110,7 +111,7 @@ def plan_response(
     if fields is None:
         # The general path: a Connection field nominates others (strip_hop_by_hop reads it).
         lines = bytearray()
-        for name, value in http1.strip_hop_by_hop(response.headers):
+        for name, value in http1.strip_hop_by_hop(response.headers, keep_underscores=True):
             if drop is _DROP_LENGTH and name == b"content-length":
                 continue
             lines += b"\r\n%s: %s" % (name, value)
