@@ -43,7 +43,7 @@ from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
 from proxycore.io.tunnel import serve_tunnel
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.protocol import http1
-from proxycore.protocol.events import Event
+from proxycore.protocol.events import Event, RequestAllowed
 from proxycore.protocol.exchange import (
     DRAIN_LIMIT,
     close_after_refusal,
@@ -250,7 +250,7 @@ class ClientConnection:
             await self.discard_body(head, 0)
             self.response_started = True
             await self.stream.send_all(plan.response)
-            self.emit_allowed(status=200)
+            self.emit_allowed(200)
             return plan.keep_alive
         if isinstance(plan, ServeKeeper):
             return await serve_keeper(self, plan, head)
@@ -263,19 +263,28 @@ class ClientConnection:
     def emit(self, event: Event) -> None:
         self.runtime.sink.emit(event)
 
-    def emit_allowed(self, *, status: int, ended: str = "complete") -> None:
+    def emit_allowed(self, status: int, ended: str = "complete") -> None:
+        """The request's terminal event for an answer relayed (RequestAllowed)."""
         progress = self.progress
         if progress is None:
             return
         self.progress = None
+        request = progress.request
         self.runtime.sink.emit(
-            progress.request.allowed(
+            RequestAllowed(
+                crew=request.crew,
+                mode=request.mode,
+                route=request.route,
+                method=request.method,
+                host=request.host,
+                port=request.port,
                 address=progress.address,
                 rule=progress.rule,
                 status=status,
                 bytes_up=progress.bytes_up,
                 bytes_down=progress.bytes_down,
                 duration=time.monotonic() - progress.started,
+                complete=ended == "complete",
                 ended=ended,
             )
         )
@@ -294,7 +303,7 @@ class ClientConnection:
         if progress is None:
             return
         if self.response_started and progress.status:
-            self.emit_allowed(status=progress.status, ended=why)
+            self.emit_allowed(progress.status, why)
         else:
             self._emit_terminal_errored(why, 0)
 

@@ -61,25 +61,74 @@ async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.Reque
     progress.status = response.status
     if plan.provider is not None:
         conn.emit(CredentialInjected(crew=crew.name, provider=plan.provider.value, host=plan.host))
+    budget = crew.buffered
+    length = response.content_length
+    # A small body is read whole (and scrubbed in one call) only within the crew's budget.
     whole = (
         response.body_kind is http1.BodyKind.LENGTH
-        and response.content_length <= WHOLE_BODY
-        and crew.buffered.take(response.content_length)
+        and length <= WHOLE_BODY
+        and budget.used + length <= budget.limit
     )
+    decided = plan_response(
+        plan,
+        head,
+        response,
+        conn.runtime.scrubbers.current,
+        whole_limit=WHOLE_BODY if whole else 0,
+    )
+    if isinstance(decided, Refuse):
+        raise Refused(decided)
+    if decided.mode is BodyMode.STREAM:
+        return await _relay_stream(conn, plan, decided, upstream, response)
+    buffer = upstream.buffer
+    if decided.mode is BodyMode.NONE:
+        out = decided.head()
+    else:
+        budget.used += length
+        try:
+            if len(buffer) < length:
+                await _read_whole(conn, plan, upstream, length)
+        finally:
+            budget.used -= length
+        body = bytes(buffer[:length])
+        del buffer[:length]
+        scrubbed = conn.runtime.scrubbers.current.scrub(body) if body else body
+        progress.bytes_down = len(scrubbed)
+        out = decided.head(len(scrubbed))
+        out += scrubbed
+    conn.response_started = True
+    await conn.stream.send_all(out)
+    # The exchange is complete: back to the crew's pool if it can carry another, else closed.
+    conn.upstream = None
+    if not (decided.reusable and not buffer and conn.runtime.dialer.checkin(upstream)):
+        upstream.close()
+    conn.emit_allowed(decided.status)
+    return decided.keep_client
+
+
+async def _read_whole(
+    conn: ClientConnection, plan: Forward, upstream: UpstreamConnection, length: int
+) -> None:
+    """Read a response body of `length` bytes into the upstream's buffer; 502 if it ends
+    short (nothing has gone to the agent yet)."""
+    buffer = upstream.buffer
+    deadline = time.monotonic() + conn.limits.read_timeout
     try:
-        decided = plan_response(
-            plan,
-            head,
-            response,
-            conn.runtime.scrubbers.current,
-            whole_limit=WHOLE_BODY if whole else 0,
-        )
-        if isinstance(decided, Refuse):
-            raise Refused(decided)
-        return await _relay(conn, plan, decided, upstream, response)
-    finally:
-        if whole:
-            crew.buffered.give_back(response.content_length)
+        while len(buffer) < length:
+            data = await _receive_upstream(conn, upstream, Phase.RELAY, deadline)
+            if not data:
+                raise _UpstreamBroken("closed inside a response body")
+            buffer += data
+    except _UpstreamBroken:
+        raise Refused(
+            plan.request.refused(
+                502,
+                "upstream_failed",
+                f"{plan.host} closed the connection inside a response body",
+                rule="upstream_closed",
+                close=True,
+            )
+        ) from None
 
 
 async def _send_with_body(
@@ -321,57 +370,6 @@ async def _read_response_head(
 # -- the response -------------------------------------------------------------------------------
 
 
-async def _relay(
-    conn: ClientConnection,
-    plan: Forward,
-    decided: ResponsePlan,
-    upstream: UpstreamConnection,
-    response: http1.ResponseHead,
-) -> bool:
-    progress = conn.progress
-    assert progress is not None
-    buffer = upstream.buffer
-    scrubber = conn.runtime.scrubbers.current
-    send_all = conn.stream.send_all
-    if decided.mode is BodyMode.NONE:
-        conn.response_started = True
-        await send_all(decided.head())
-        _release(conn, upstream, decided.reusable and not buffer)
-        conn.emit_allowed(status=decided.status)
-        return decided.keep_client
-    if decided.mode is BodyMode.WHOLE:
-        length = response.content_length
-        deadline = time.monotonic() + conn.limits.read_timeout
-        try:
-            while len(buffer) < length:
-                data = await _receive_upstream(conn, upstream, Phase.RELAY, deadline)
-                if not data:
-                    raise _UpstreamBroken("closed inside a response body")
-                buffer += data
-        except _UpstreamBroken:
-            raise Refused(
-                plan.request.refused(
-                    502,
-                    "upstream_failed",
-                    f"{plan.host} closed the connection inside a response body",
-                    rule="upstream_closed",
-                    close=True,
-                )
-            ) from None
-        body = bytes(buffer[:length])
-        del buffer[:length]
-        scrubbed = scrubber.scrub(body) if body else body
-        out = decided.head(len(scrubbed))
-        out += scrubbed
-        conn.response_started = True
-        await send_all(out)
-        progress.bytes_down = len(scrubbed)
-        _release(conn, upstream, decided.reusable and not buffer)
-        conn.emit_allowed(status=decided.status)
-        return decided.keep_client
-    return await _relay_stream(conn, plan, decided, upstream, response)
-
-
 async def _relay_stream(
     conn: ClientConnection,
     plan: Forward,
@@ -437,11 +435,11 @@ async def _relay_stream(
         # (or short of its length), which every HTTP client reads as a truncated response.
         upstream.close()
         conn.upstream = None
-        conn.emit_allowed(status=decided.status, ended=ended)
+        conn.emit_allowed(decided.status, ended)
         return False
     leftover = reader.take_leftover()
     _release(conn, upstream, decided.reusable and not leftover)
-    conn.emit_allowed(status=decided.status)
+    conn.emit_allowed(decided.status)
     return decided.keep_client
 
 

@@ -14,7 +14,7 @@ import time
 import msgspec
 
 
-class Event(msgspec.Struct, frozen=True, tag_field="event", kw_only=True):
+class Event(msgspec.Struct, frozen=True, tag_field="event", kw_only=True, omit_defaults=True):
     ts: float = msgspec.field(default_factory=time.time)
     crew: str
 

@@ -15,9 +15,9 @@ journal (`Request`):
     OpenTunnel   CONNECT: resolve, check, dial and relay opaque bytes
 
 The adapter does the I/O and comes back here with what it met: the upstream's response head
-(`proxycore.protocol.responses.plan_response`), a failure (`Request.refused`), the end of the
-exchange (`Request.allowed`). The terminal event of every request is built by `Request`, so the
-adapter can emit exactly one per request without deciding its content. Nothing in this module
+(`proxycore.protocol.responses.plan_response`), a failure (`Request.refused`, `Request.denied`:
+the refusal and its terminal event come together, so the adapter emits exactly one per request
+without deciding its content). Nothing in this module
 awaits or touches a socket: every decision can be tested and fuzzed from bytes alone
 (fuzz/fuzz_exchange.py).
 

@@ -1,9 +1,10 @@
 """What the exchange decides: a request's identity, the plans, and each request's terminal event.
 
 These are the commands of the data plane (proxycore/protocol/exchange.py returns them, the
-connection adapter in proxycore/io/ carries them out). `Request` builds the one terminal event
-of a request (allowed, denied, refused or errored: proxycore/protocol/events.py), so an adapter
-never composes an event of its own.
+connection adapter in proxycore/io/ carries them out). `Request` is a request's identity in its
+terminal event: it builds the denied, refused and errored ones; the allowed one, which carries
+what the exchange measured (status, bytes, duration), is built by the connection at its end
+(proxycore/io/connection.py `emit_allowed`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from proxycore.protocol.credentials import Provider
-from proxycore.protocol.events import RequestAllowed, RequestDenied, RequestErrored, RequestRefused
+from proxycore.protocol.events import RequestDenied, RequestErrored, RequestRefused
 from proxycore.protocol.keeper import Action
 from proxycore.protocol.refusals import Refusal, refusal
 
@@ -31,34 +32,6 @@ class Request(msgspec.Struct, frozen=True):
     method: str = ""
     host: str = ""
     port: int = 0
-
-    def allowed(
-        self,
-        *,
-        address: str,
-        rule: str,
-        status: int,
-        bytes_up: int = 0,
-        bytes_down: int = 0,
-        duration: float = 0.0,
-        ended: str = "complete",
-    ) -> RequestAllowed:
-        return RequestAllowed(
-            crew=self.crew,
-            mode=self.mode,
-            route=self.route,
-            method=self.method,
-            host=self.host,
-            port=self.port,
-            address=address,
-            rule=rule,
-            status=status,
-            bytes_up=bytes_up,
-            bytes_down=bytes_down,
-            duration=round(duration, 6),
-            complete=ended == "complete",
-            ended=ended,
-        )
 
     def denied(self, rule: str, message: str, *, close: bool) -> Refuse:
         """The name policy or the SSRF guard said no: 403."""
