@@ -155,9 +155,12 @@ def measure_memory(
 
 
 def memory_suite(ws: Workspace, args: argparse.Namespace, nginx: Service) -> list[dict[str, Any]]:
-    # The default per-crew cap (512 open connections) would refuse the rest with a 503; the
-    # measurement raises it, as an operator with a bigger crew would.
+    # The default per-crew caps (512 open connections, 512 upstream connections) would refuse
+    # the rest with a 503; the measurement raises them, as an operator with a bigger crew would.
+    # (A tree from before the upstream cap rejects its key: the source's own config decides.)
     limits = {"max_connections_per_crew": args.connections + 16}
+    if "upstream_connections_per_crew" in (args.source / "proxycore" / "config.py").read_text():
+        limits["upstream_connections_per_crew"] = args.connections + 16
     subjects: list[tuple[str, Any]] = [
         (
             "ours",

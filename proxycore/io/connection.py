@@ -72,6 +72,24 @@ LINGER_BYTES = 256 * 1024
 class ClientConnection:
     """One agent connection. Owns its socket and, for the length of an exchange, an upstream."""
 
+    # Slots: a worker holds thousands of these while they idle (bench/bench_capacity.py).
+    __slots__ = (
+        "buffer",
+        "crew",
+        "deadline",
+        "ended_by",
+        "head_started",
+        "limits",
+        "phase",
+        "progress",
+        "requests",
+        "response_started",
+        "runtime",
+        "scope",
+        "stream",
+        "upstream",
+    )
+
     def __init__(self, runtime: ProxyRuntime, stream: PlainStream, crew: CrewState) -> None:
         self.runtime = runtime
         self.stream = stream
