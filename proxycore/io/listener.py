@@ -106,44 +106,22 @@ class Acceptor:
                 ),
             )
             return
+        overloaded = None
         if stream.sock.fileno() >= self.fd_limit - FD_HEADROOM:
-            await self.refuse(
-                stream,
-                crew.name,
-                503,
-                Refusal(
-                    error="overloaded",
-                    rule="open_files",
-                    crew=crew.name,
-                    message="the proxy is near its file descriptor limit; try again shortly",
-                ),
+            overloaded = ("open_files", "the proxy is near its file descriptor limit")
+        elif runtime.connections >= limits.max_connections:
+            overloaded = ("max_connections", "the proxy has too many connections")
+        elif crew.connections >= limits.max_connections_per_crew:
+            overloaded = (
+                "max_connections_per_crew",
+                f"crew {crew.name} has {crew.connections} open connections",
             )
-            return
-        if runtime.connections >= limits.max_connections:
-            await self.refuse(
-                stream,
-                crew.name,
-                503,
-                Refusal(
-                    error="overloaded",
-                    rule="max_connections",
-                    message="too many connections",
-                    crew=crew.name,
-                ),
+        if overloaded is not None:
+            rule, why = overloaded
+            body = Refusal(
+                error="overloaded", rule=rule, crew=crew.name, message=f"{why}; try again shortly"
             )
-            return
-        if crew.connections >= limits.max_connections_per_crew:
-            await self.refuse(
-                stream,
-                crew.name,
-                503,
-                Refusal(
-                    error="overloaded",
-                    rule="max_connections_per_crew",
-                    crew=crew.name,
-                    message=f"crew {crew.name} has {crew.connections} open connections",
-                ),
-            )
+            await self.refuse(stream, crew.name, 503, body)
             return
         runtime.connections += 1
         crew.connections += 1
@@ -155,10 +133,8 @@ class Acceptor:
 
     async def refuse(self, stream: PlainStream, crew: str, status: int, body: Refusal) -> None:
         """A connection refused before any request was read: answered, recorded, closed."""
-        mode = ""
         state = self.runtime.crew_named(crew)
-        if state is not None:
-            mode = state.mode
+        mode = "" if state is None else state.mode
         self.runtime.sink.emit(
             RequestRefused(
                 crew=crew,
