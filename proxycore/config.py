@@ -78,6 +78,15 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Bytes the proxy may hold in memory for one crew's request and response bodies (bodies
     # read whole to be replayed or scrubbed in one call); past it, bodies stream instead.
     max_buffered_bytes_per_crew: PositiveInt = 32 * 1024 * 1024
+    # While another crew is active on a worker, a crew's new requests and connections are paced
+    # to these (per worker), so that no crew fills the worker's core (proxycore/protocol/
+    # fairness.py). A crew alone on a worker is never paced. A request that would wait longer
+    # than fair_max_wait for its turn is refused with 429.
+    fair_requests_per_second: PositiveFloat = 1000.0
+    fair_request_burst: PositiveInt = 100
+    fair_connections_per_second: PositiveFloat = 200.0
+    fair_connection_burst: PositiveInt = 50
+    fair_max_wait: PositiveFloat = 2.0
     # The worker's descriptor limit (RLIMIT_NOFILE); 0 raises the soft limit to the hard one.
     # Near it the worker answers new connections 503 rather than failing (see docs/proxy.md).
     open_files: Annotated[int, msgspec.Meta(ge=0)] = 0

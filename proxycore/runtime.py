@@ -16,6 +16,7 @@ crews never wait for it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from proxycore.protocol.credentials import (
     route_for,
 )
 from proxycore.protocol.events import AllowlistChanged, PolicyWarning
+from proxycore.protocol.fairness import Activity, Pacer
 from proxycore.protocol.policy import CrewPolicy, normalize_host, parse_mode
 from proxycore.protocol.scrubbing import ScrubberHolder, configured_shapes
 from proxycore.protocol.ssrf import AddressGuard
@@ -86,6 +88,9 @@ class CrewState:
     guard: AddressGuard | None
     lookups: trio.CapacityLimiter
     buffered: BufferBudget
+    # Its pace of new requests and connections while another crew is active (fairness.py).
+    requests: Pacer
+    accepts: Pacer
     connections: int = 0
     live: set[ClientConnection] = field(default_factory=set)
 
@@ -131,6 +136,8 @@ class ProxyRuntime:
         )
         self.connections = 0
         self.tunnel_ids = 0
+        # Which crews started requests lately: pacing applies only when crews compete.
+        self.activity = Activity()
         self.live: set[ClientConnection] = set()
 
     @property
@@ -179,6 +186,12 @@ class ProxyRuntime:
             guard=AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
             lookups=trio.CapacityLimiter(limits.dns_lookups_per_crew),
             buffered=BufferBudget(limits.max_buffered_bytes_per_crew),
+            requests=Pacer(
+                limits.fair_requests_per_second, limits.fair_request_burst, limits.fair_max_wait
+            ),
+            accepts=Pacer(
+                limits.fair_connections_per_second, limits.fair_connection_burst, math.inf
+            ),
         )
         _, warning = parse_mode(crew.mode)
         if warning:

@@ -210,12 +210,13 @@ class Chaos:
         max_seconds: float = 60.0,
         keepalive: int = 1,
         fresh: int = 1,
+        prefix: tuple[str, ...] = (),
     ) -> AsyncIterator[LegitRun]:
         """Crew B's legitimate stream for the length of the `async with` body (plus `lead`
-        seconds before it and `trail` after)."""
+        seconds before it and `trail` after); `prefix` goes before the command (`nice`)."""
         url = url or f"http://{PEER_NAME}:{peers.OK}/ok"
         argv = [
-            "ip", "netns", "exec", self.world.ns_b, sys.executable,
+            *prefix, "ip", "netns", "exec", self.world.ns_b, sys.executable,
             str(HERE / "chaos_client.py"), "--proxy", f"{self.world.gateway_b}:{PORT}",
             "--url", url, "--rate", str(rate), "--max-seconds", str(max_seconds),
             "--keepalive", str(keepalive), "--fresh", str(fresh),

@@ -17,7 +17,7 @@ from proxycore.protocol.exchange import (
     keeper_refused_event,
     plan_request,
 )
-from proxycore.protocol.keeper import KEEPER_JSON_DEPTH, Action, json_nesting_exceeds
+from proxycore.protocol.keeper import Action
 from proxycore.protocol.plans import Forward, OpenTunnel, Refuse, ServeKeeper, ServeLocal
 from proxycore.protocol.policy import Allowlist, CrewPolicy, NetworkMode
 from proxycore.protocol.responses import BodyMode, ResponsePlan, plan_response
@@ -193,23 +193,29 @@ def test_upstream_head_framing() -> None:
     assert b"Transfer-Encoding" not in got.upstream_head(5)
 
 
-def test_deep_json_is_refused_before_any_decoder_sees_it() -> None:
+def test_deep_json_is_refused_at_its_first_bracket() -> None:
+    """The keeper's body is read against a flat schema: a nested value is refused where it
+    starts, so no decoder recurses into 1 KiB (or 10 KiB) of brackets."""
     request = plan(b"POST /keeper/request HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
     assert isinstance(request, ServeKeeper)
-    deep = b"[" * 5000 + b"]" * 5000
-    refused = check_keeper_call(request.request, Action.REQUEST, deep, close=False)
-    assert refused is not None and refused.status == 400 and refused.event.rule == "too_deep"
-    event = keeper_refused_event(request.request, Action.REQUEST, deep, "too_deep")
-    assert isinstance(event, KeeperCallRefused) and event.credential == ""
-    # Depth inside strings does not count; exactly the limit passes the depth check.
-    assert not json_nesting_exceeds(b'{"intent": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', 2)
-    assert not json_nesting_exceeds(b"[" * KEEPER_JSON_DEPTH + b"]" * KEEPER_JSON_DEPTH, 32)
-    assert json_nesting_exceeds(b"[" * (KEEPER_JSON_DEPTH + 1), 32)
+    for deep in (
+        b"[" * 5000 + b"]" * 5000,
+        b'{"intent": ' + b"[" * 6000 + b"]" * 6000 + b"}",
+        b'{"intent": "x", "credential": "c", "k": ' + b"{" * 4000 + b"}" * 4000 + b"}",
+        b'{"a":' * 2500 + b"1" + b"}" * 2500,
+    ):
+        refused = check_keeper_call(request.request, Action.REQUEST, deep, close=False)
+        assert refused is not None and refused.status == 400, deep[:40]
+        assert refused.event.rule == "bad_body", refused
+        event = keeper_refused_event(request.request, Action.REQUEST, deep, "bad_body")
+        assert isinstance(event, KeeperCallRefused) and event.credential == ""
     ok = check_keeper_call(
         request.request, Action.REQUEST, b'{"intent":"read the repository","credential":"gh"}',
         close=False,
     )  # fmt: skip
     assert ok is None
+    named = keeper_refused_event(request.request, Action.REQUEST, b'{"credential":"gh"}', "x")
+    assert named.credential == "gh"
     flat = check_keeper_call(request.request, Action.REQUEST, b"[1]", close=False)
     assert flat is not None and flat.event.rule == "bad_body"
 

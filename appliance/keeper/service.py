@@ -45,30 +45,25 @@ from appliance.keeper.ollama import ask_gatekeeper
 from appliance.runtime.base import ExecExited, ExecOutput, RuntimeProvider
 from native.scrub import Scrubber
 from proxycore.protocol.keeper import (
-    KEEPER_JSON_DEPTH,
+    KEEPER_BODY_BYTES,
     Action,
+    KeeperBody,
     KeeperRefused,
     Level,
     check_intent,
+    credential_named,
+    decode_keeper_body,
     fast_path_allows,
-    json_nesting_exceeds,
     parse_command,
 )
 
 log = logging.getLogger("applianced.keeper")
 
-MAX_BODY_BYTES = 16 * 1024
+MAX_BODY_BYTES = KEEPER_BODY_BYTES
 EXEC_TIMEOUT_SECONDS = 120.0
 MAX_OUTPUT_BYTES = 1 << 20
 RECENT_ACTIVITY = 20
 _NAME_TO_ENV = re.compile(r"[^A-Z0-9]")
-
-
-class KeeperBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    credential: str
-    intent: str
-    command: str | None = None  # execute only
-    agent: str | None = None
 
 
 class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -92,19 +87,6 @@ def env_name(credential: str) -> str:
     GITHUB_TOKEN (documented in docs/keeper.md)."""
     name = _NAME_TO_ENV.sub("_", credential.upper())
     return name if name[:1].isalpha() else "CREDENTIAL_" + name
-
-
-def _credential_named(body: bytes) -> str:
-    body = body[:MAX_BODY_BYTES]
-    # Untyped decoding recurses: a body nested deeper than any honest one is not read at all.
-    if json_nesting_exceeds(body, KEEPER_JSON_DEPTH):
-        return ""
-    try:
-        fields = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return ""
-    name = fields.get("credential") if isinstance(fields, dict) else None
-    return name[:64] if isinstance(name, str) else ""
 
 
 class KeeperService:
@@ -136,7 +118,7 @@ class KeeperService:
                 raise KeeperRefused("a request takes no command", rule="unexpected_command")
         except KeeperRefused as exc:
             # A refusal is a decision too: journaled, naming what the body named (if anything).
-            named = _credential_named(body)
+            named = credential_named(body)
             await self.recorder.record(
                 E.KeeperDecision(
                     crew=crew,
@@ -194,12 +176,7 @@ class KeeperService:
         return await self._execute(crew, request, argv, value, verdict)
 
     def _decode(self, body: bytes) -> KeeperBody:
-        if len(body) > MAX_BODY_BYTES:
-            raise KeeperRefused(f"body over {MAX_BODY_BYTES} bytes", rule="too_long")
-        try:
-            return msgspec.json.decode(body, type=KeeperBody)
-        except msgspec.DecodeError as exc:
-            raise KeeperRefused(f"bad keeper body: {exc}", rule="bad_body") from None
+        return decode_keeper_body(body)
 
     def _level(self, name: str, crew: str, agent: str | None) -> Level | None:
         try:

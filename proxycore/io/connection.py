@@ -245,6 +245,11 @@ class ClientConnection:
         """Carry out the exchange's plan for one request; returns whether to keep the
         connection. Raises Refused for an answer the caller writes."""
         runtime, crew = self.runtime, self.crew
+        started = self.head_started
+        activity = runtime.activity
+        activity.note(crew.name, started)
+        if activity.contended(crew.name, started):
+            await self._wait_for_turn(head, started)
         plan = plan_request(
             head,
             crew.policy,
@@ -252,7 +257,6 @@ class ClientConnection:
             audit_blocked=runtime.audit_paused or runtime.sink.backlogged,
             max_body=self.limits.max_body_bytes,
         )
-        started = self.head_started
         if isinstance(plan, Forward):
             self.progress = Progress(
                 plan.request, started, body_consumed=head.body_kind is http1.BodyKind.NONE
@@ -275,6 +279,30 @@ class ClientConnection:
         assert isinstance(plan, OpenTunnel)
         await serve_tunnel(self, plan)
         return False
+
+    async def _wait_for_turn(self, head: http1.RequestHead, now: float) -> None:
+        """Another crew is active: this crew's requests keep to their pace (fairness.py).
+        Waiting costs nothing (asleep); a turn further away than `fair_max_wait` is a 429."""
+        crew = self.crew
+        wait = crew.requests.delay(now)
+        if not wait:
+            return
+        if wait > crew.requests.max_wait:
+            request = Request(crew.name, crew.mode, method=head.method.decode("ascii", "replace"))
+            self.progress = Progress(request, now)
+            raise Refused(
+                request.refused(
+                    429,
+                    "rate_limited",
+                    f"crew {crew.name} is sending requests faster than its share of the proxy "
+                    "while other crews are active; retry shortly",
+                    rule="fair_share",
+                    close=close_after_refusal(head),
+                )
+            )
+        self.phase = Phase.QUEUED
+        self.deadline = math.inf
+        await trio.sleep(wait)
 
     # -- terminal events ----------------------------------------------------------------------
 

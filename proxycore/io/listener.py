@@ -21,6 +21,7 @@ import logging
 import os
 import resource
 import socket
+import time
 
 import trio
 
@@ -157,7 +158,22 @@ class Acceptor:
 
     async def accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         sock = listener.socket
+        runtime = self.runtime
+        try:
+            # The crew this listening socket serves (its gateway), to pace its connections.
+            local = str(sock.getsockname()[0]).split("%", 1)[0]
+        except OSError:
+            local = ""
         while True:
+            crew = runtime.crew_for(local)
+            if crew is not None:
+                now = time.monotonic()
+                if runtime.activity.contended(crew.name, now):
+                    # Another crew is active: this crew's new connections keep to its pace and
+                    # wait in its own listening socket's backlog meanwhile (fairness.py).
+                    wait = crew.accepts.delay(now)
+                    if wait:
+                        await trio.sleep(wait)
             try:
                 accepted, _ = await sock.accept()
             except OSError as exc:

@@ -23,6 +23,7 @@ class Phase(enum.Enum):
     HEAD = "head"  # inside a request head: 408
     BODY = "body"  # reading the agent's request body: 408
     UPSTREAM = "upstream"  # waiting for the upstream (its answer, or room to send): 504
+    QUEUED = "queued"  # waiting for the crew's turn (fairness.py): bounded by fair_max_wait
     RELAY = "relay"  # relaying a response: the connection can only be closed
 
 

@@ -30,19 +30,17 @@ from __future__ import annotations
 
 import re
 
-import msgspec
-
 from proxycore.errors import PolicyDenied
 from proxycore.protocol import http1
 from proxycore.protocol.credentials import Provider, ProviderRoute, Routes, rewrite_for_provider
 from proxycore.protocol.events import KeeperCallRefused
 from proxycore.protocol.keeper import (
     KEEPER_BODY_BYTES,
-    KEEPER_JSON_DEPTH,
     Action,
     KeeperRefused,
     check_intent,
-    json_nesting_exceeds,
+    credential_named,
+    decode_keeper_body,
     parse_command,
 )
 from proxycore.protocol.plans import (
@@ -397,26 +395,13 @@ def check_keeper_call(
 ) -> Refuse | None:
     """The worker's own checks of a keeper call before it is forwarded to applianced, which
     checks again (defence in depth, docs/keeper.md). None: forward it."""
-    fields: object = None
     try:
-        if json_nesting_exceeds(body, KEEPER_JSON_DEPTH):
-            raise KeeperRefused(
-                f"the body nests deeper than {KEEPER_JSON_DEPTH} levels", rule="too_deep"
-            )
-        fields = msgspec.json.decode(body)
-        if not isinstance(fields, dict):
-            raise KeeperRefused("the body must be a JSON object", rule="bad_body")
-        check_intent(fields.get("intent"))
+        call = decode_keeper_body(body)
+        check_intent(call.intent)
         if action is Action.EXECUTE:
-            parse_command(fields.get("command"))
-    except (KeeperRefused, msgspec.DecodeError, RecursionError) as exc:
-        rule = exc.rule if isinstance(exc, KeeperRefused) else "bad_body"
-        message = (
-            f"keeper: {exc}"
-            if not isinstance(exc, RecursionError)
-            else "keeper: the body nests too deep"
-        )
-        return request.refused(400, rule, message, close=close)
+            parse_command(call.command)
+    except KeeperRefused as exc:
+        return request.refused(400, exc.rule, f"keeper: {exc}", close=close)
     return None
 
 
@@ -424,17 +409,6 @@ def keeper_refused_event(
     request: Request, action: Action, body: bytes, rule: str
 ) -> KeeperCallRefused:
     """The keeper's own record of a call the worker refused (beside the terminal event)."""
-    named: object = None
-    if not json_nesting_exceeds(body, KEEPER_JSON_DEPTH):
-        try:
-            fields = msgspec.json.decode(body)
-        except (msgspec.DecodeError, RecursionError):
-            fields = None
-        if isinstance(fields, dict):
-            named = fields.get("credential")
     return KeeperCallRefused(
-        crew=request.crew,
-        action=action.value,
-        credential=named[:64] if isinstance(named, str) else "",
-        rule=rule,
+        crew=request.crew, action=action.value, credential=credential_named(body), rule=rule
     )

@@ -39,6 +39,8 @@ import enum
 import itertools
 import unicodedata
 
+import msgspec
+
 from proxycore.errors import ProxyError
 
 MAX_FIELD_LENGTH = 4096
@@ -230,38 +232,47 @@ def parse_command(command: object) -> tuple[str, ...]:
     return tuple(argv)
 
 
-# -- a keeper call's body, as the proxy worker checks it ----------------------------------------
+# -- a keeper call's body ------------------------------------------------------------------
+
 
 KEEPER_BODY_BYTES = 16 * 1024
-# The keeper's body is a flat object of strings; 32 levels is far beyond any honest one and far
-# below what a recursive decoder survives (msgspec raises RecursionError past a few hundred).
-KEEPER_JSON_DEPTH = 32
 
 
-def json_nesting_exceeds(body: bytes, limit: int) -> bool:
-    """True if the JSON text nests arrays/objects deeper than `limit` (strings skipped).
+class KeeperBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A keeper call's JSON body, as both the proxy worker and applianced read it.
 
-    Checked before any decoder sees the body: a recursive decoder given 1 KiB of "[[[[" raises
-    RecursionError (or worse, exhausts the C stack), and a depth limit is the documented answer
-    (RFC 8259 9: "An implementation may set limits on the maximum depth of nesting").
+    Decoded against this flat schema, never as free JSON: a nested value where a string belongs,
+    or an unknown field, is refused at its first byte, so no body (1 KiB of "[[[[" included)
+    can make the decoder recurse (RFC 8259 9 lets a parser limit nesting; this one allows
+    none).
     """
-    depth = 0
-    in_string = False
-    escaped = False
-    for byte in body:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            if depth > limit:
-                return True
-        elif byte in (0x5D, 0x7D):  # ] }
-            depth -= 1
-    return False
+
+    credential: str
+    intent: str
+    command: str | None = None  # execute only
+    agent: str | None = None
+
+
+class _Named(msgspec.Struct):
+    credential: str | None = None
+
+
+def decode_keeper_body(body: bytes) -> KeeperBody:
+    """The body, or KeeperRefused("bad_body") naming what is wrong (never the value)."""
+    if len(body) > KEEPER_BODY_BYTES:
+        raise KeeperRefused(f"body over {KEEPER_BODY_BYTES} bytes", rule=RULE_TOO_LONG)
+    try:
+        return msgspec.json.decode(body, type=KeeperBody)
+    except msgspec.DecodeError as exc:
+        raise KeeperRefused(f"bad keeper body: {exc}", rule="bad_body") from None
+    except RecursionError:  # not reached with this schema; kept so it can never escape
+        raise KeeperRefused("bad keeper body: nested too deep", rule="bad_body") from None
+
+
+def credential_named(body: bytes) -> str:
+    """The credential a body names, for the record of a refused call ("" if none readable)."""
+    try:
+        named = msgspec.json.decode(body[:KEEPER_BODY_BYTES], type=_Named).credential
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+    return named[:64] if named else ""

@@ -19,6 +19,7 @@ REASONS = {
     413: b"Content Too Large",
     414: b"URI Too Long",
     417: b"Expectation Failed",
+    429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
     501: b"Not Implemented",
