@@ -84,7 +84,7 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # than fair_max_wait for its turn is refused with 429.
     fair_requests_per_second: PositiveFloat = 1000.0
     fair_request_burst: PositiveInt = 100
-    fair_connections_per_second: PositiveFloat = 200.0
+    fair_connections_per_second: PositiveFloat = 50.0
     fair_connection_burst: PositiveInt = 50
     fair_max_wait: PositiveFloat = 2.0
     # The worker's descriptor limit (RLIMIT_NOFILE); 0 raises the soft limit to the hard one.

@@ -217,7 +217,9 @@ def test_workers_serve_every_path_without_reading_their_interpreter(
         _injection(a, b, provider, {})
 
         runner.stop_keeper()  # applianced's keeper gone: 503, never a dead worker
-        answer = http_exchange(a, post(b"/keeper/request", b'{"intent": "read the CI key"}'))
+        answer = http_exchange(
+            a, post(b"/keeper/request", b'{"credential": "ci", "intent": "read the CI key"}')
+        )
         assert readable(answer, {503}, "keeper gone")["error"] == "keeper_unavailable"
 
         assert pool.pids == pids and pool.restarts == 0
@@ -284,15 +286,20 @@ def _local_api_and_keeper(a: tuple[str, int], service: StubKeeperService) -> Non
     for body, rule in (
         (b"not json", "bad_body"),
         (b"[1, 2]", "bad_body"),
-        (b'{"intent": "   "}', "empty_intent"),
-        (b'{"intent": "\\u00a0\\u2003"}', "empty_intent"),
-        (b'{"intent": 7}', None),
-        (b'{"intent": "x\\u0000y"}', None),
+        (b'{"credential": "ci"}', "bad_body"),  # no intent: not the keeper's body
+        (b'{"credential": "ci", "intent": "x", "crew": "beta"}', "bad_body"),  # unknown field
+        (b'{"credential": "ci", "intent": "   "}', "empty_intent"),
+        (b'{"credential": "ci", "intent": "\\u00a0\\u2003"}', "empty_intent"),
+        (b'{"credential": "ci", "intent": 7}', "bad_body"),
+        (b'{"credential": "ci", "intent": "x\\u0000y"}', "nul_byte"),
+        (b'{"credential": "ci", "intent": ' + b"[" * 2000 + b"]" * 2000 + b"}", "bad_body"),
     ):
         refused = readable(http_exchange(a, post(b"/keeper/request", body)), {400}, body)
         assert rule is None or refused["error"] == rule, (body, refused)
     for command in ("echo hi; id", "echo $(id)", "echo 'open", "echo \\"):
-        body = json.dumps({"intent": "run the deploy check", "command": command}).encode()
+        body = json.dumps(
+            {"credential": "ci", "intent": "run the deploy check", "command": command}
+        ).encode()
         readable(http_exchange(a, post(b"/keeper/execute", body)), {400}, command)
     over = b'{"intent": "%s"}' % (b"x" * (20 * 1024))
     readable(http_exchange(a, post(b"/keeper/request", over)), {413}, "keeper body")
@@ -302,7 +309,9 @@ def _local_api_and_keeper(a: tuple[str, int], service: StubKeeperService) -> Non
         body = json.dumps({"intent": intent, "credential": "ci"}).encode()
         answer = http_exchange(a, post(b"/keeper/request", body))
         assert answer.status == 200 and answer.json()["value"] == "kept-value", answer
-    body = json.dumps({"intent": "run the deploy check", "command": "echo 'a;b' \"c\""}).encode()
+    body = json.dumps(
+        {"credential": "ci", "intent": "run the deploy check", "command": "echo 'a;b' \"c\""}
+    ).encode()
     answer = http_exchange(a, post(b"/keeper/execute", body))
     assert answer.status == 200 and answer.json()["stdout"] == "h\u00e9llo\n", answer
     assert [(action, crew) for action, crew, _ in service.calls[asked:]] == [
