@@ -36,7 +36,7 @@ import msgspec
 import trio
 
 from proxycore.errors import HttpProtocolError
-from proxycore.io.fastio import ByteStream, PlainStream
+from proxycore.io.fastio import LINGER_SECONDS, ByteStream, PlainStream, lingering_close
 from proxycore.io.forward import serve_forward
 from proxycore.io.keeper_client import serve_keeper
 from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
@@ -64,9 +64,6 @@ if TYPE_CHECKING:
     from proxycore.runtime import CrewState, ProxyRuntime
 
 log = logging.getLogger("proxycore")
-
-LINGER_SECONDS = 1.0
-LINGER_BYTES = 256 * 1024
 
 
 class ClientConnection:
@@ -529,25 +526,3 @@ def _cause(exc: BaseException) -> str:
         return "; ".join(_cause(inner) for inner in exc.exceptions)
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-async def lingering_close(stream: PlainStream) -> None:
-    """Close after a refusal without destroying it.
-
-    Closing a socket that still holds unread input makes the kernel send RST, and an RST can
-    discard our response before the agent reads it. So: half-close, drain what the agent is still
-    sending (bounded in bytes and time), then close (the "lingering close" of Apache and nginx).
-    """
-    try:
-        stream.shutdown_write()
-        with trio.move_on_after(LINGER_SECONDS):
-            drained = 0
-            while drained < LINGER_BYTES:
-                data = await stream.receive(RECV_SIZE)
-                if not data:
-                    break
-                drained += len(data)
-    except (OSError, trio.BrokenResourceError):
-        pass
-    finally:
-        stream.close()

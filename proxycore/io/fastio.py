@@ -157,3 +157,30 @@ class TlsStream:
         transport = self.ssl_stream.transport_stream
         trio.lowlevel.notify_closing(transport.socket)
         transport.socket.close()
+
+
+# After a refusal that closes the connection: how long, and how much, to drain first.
+LINGER_SECONDS = 1.0
+LINGER_BYTES = 256 * 1024
+
+
+async def lingering_close(stream: PlainStream) -> None:
+    """Close after a refusal without destroying it.
+
+    Closing a socket that still holds unread input makes the kernel send RST, and an RST can
+    discard our response before the agent reads it. So: half-close, drain what the agent is still
+    sending (bounded in bytes and time), then close (the "lingering close" of Apache and nginx).
+    """
+    try:
+        stream.shutdown_write()
+        with trio.move_on_after(LINGER_SECONDS):
+            drained = 0
+            while drained < LINGER_BYTES:
+                data = await stream.receive(65536)
+                if not data:
+                    break
+                drained += len(data)
+    except (OSError, trio.BrokenResourceError):
+        pass
+    finally:
+        stream.close()

@@ -28,9 +28,9 @@ import trio
 from proxycore import control
 from proxycore.config import ProxyConfig
 from proxycore.errors import ProxyError
-from proxycore.io.connection import LINGER_SECONDS, ClientConnection, lingering_close
+from proxycore.io.connection import ClientConnection
 from proxycore.io.control_server import serve_control_channel, serve_control_socket
-from proxycore.io.fastio import PlainStream
+from proxycore.io.fastio import LINGER_SECONDS, PlainStream, lingering_close
 from proxycore.io.sinks import BatchingSink, EventSink
 from proxycore.protocol.events import RequestRefused
 from proxycore.protocol.refusals import Refusal, refusal
