@@ -24,12 +24,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,30 +143,6 @@ def memory(pid: int) -> dict[str, int]:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-@contextlib.contextmanager
-def workers_fd_limit(limit: int | None) -> Iterator[None]:
-    """Start the pool's processes with RLIMIT_NOFILE at `limit` (soft and hard), for as long as
-    the context lasts. The machine grants root no CAP_SYS_RESOURCE, so a worker's limit cannot
-    be lowered from outside once it has dropped to UID 1002 (prlimit(2): EPERM); the limit is
-    set in the child between fork and exec instead, whatever the worker's command line."""
-    if limit is None:
-        yield
-        return
-    original = trio.lowlevel.open_process
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
-    async def open_process(*args: Any, **options: Any) -> trio.Process:
-        return await original(*args, preexec_fn=limited, **options)
-
-    trio.lowlevel.open_process = open_process  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        trio.lowlevel.open_process = original  # type: ignore[assignment]
 
 
 @dataclass
@@ -346,7 +321,6 @@ async def chaos_pool(
     allow_a: tuple[str, ...] = (),
     allow_b: tuple[str, ...] = (),
     modes: tuple[str, str] = ("restricted", "restricted"),
-    fd_limit: int | None = None,
     workers: int = WORKERS,
 ) -> AsyncIterator[Chaos]:
     """Two workers as applianced runs them, crews A and B (in `modes`; PEER_NAME allowed)."""
@@ -366,7 +340,7 @@ async def chaos_pool(
         path=str(state_dir / "keeper.sock"), token=uuid.uuid4().hex
     )
     async with trio.open_nursery() as nursery:
-        with trio.fail_after(30), workers_fd_limit(fd_limit):
+        with trio.fail_after(30):
             await nursery.start(pool.run)
         pids = tuple(pool.pids)
         chaos = Chaos(world, pool, events, pids)

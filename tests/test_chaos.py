@@ -118,15 +118,17 @@ async def test_nested_and_huge_json_at_the_keeper(world: ChaosWorld, tmp_path: P
 
 async def test_fd_exhaustion_through_many_upstreams(world: ChaosWorld, tmp_path: Path) -> None:
     """One descriptor per distinct host:port stayed open forever: with the workers' fd limit
-    at 256, 600 distinct upstream ports must neither kill a worker nor starve crew B, and the
-    idle upstream connections are reaped once their idle timeout has passed.
-
-    The two [limits] keys below are the names proposed for the lead's per-crew upstream
-    bounds; the test fails at config parsing until they exist."""
+    at 256 (`[limits] open_files`), 600 distinct upstream ports must neither kill a worker nor
+    starve crew B, and the idle upstream connections are reaped once their idle timeout has
+    passed."""
     fd_limit = 256
     idle_timeout = 1.0
-    limits = {"upstream_idle_timeout": idle_timeout, "upstream_connections_per_crew": 64}
-    async with chaos_pool(world, tmp_path, limits=limits, fd_limit=fd_limit) as chaos:
+    limits = {
+        "upstream_idle_timeout": idle_timeout,
+        "upstream_connections_per_crew": 64,
+        "open_files": fd_limit,
+    }
+    async with chaos_pool(world, tmp_path, limits=limits) as chaos:
         baseline = {pid: open_fds(pid) for pid in chaos.pids}
         problems = [
             f"worker {pid}: fd limit {limit}, not {fd_limit}"
