@@ -713,7 +713,7 @@ def test_register_runsc_keeps_the_rest_of_daemon_json(tmp_path: Path) -> None:
 def test_a_sandbox_whose_container_is_gone_is_killed_and_a_live_one_is_not(  # type: ignore[no-untyped-def]
     provider, image, crew
 ) -> None:
-    # A failed runsc start can leave runsc-sandbox running with no container (ENVIRONMENT.md);
+    # A failed runsc start can leave runsc-sandbox running with no container (docs/runtime.md);
     # it cannot be provoked on demand here, so a stand-in process carries the same command line
     # (program name and the bundle path naming a container id the engine does not have).
     import secrets

@@ -606,7 +606,7 @@ class CrewManager:
 
     async def _kill_stray_sandboxes(self) -> list[str]:
         # A failed runsc start can leave its sandbox, gofer and shim running with no container
-        # (ENVIRONMENT.md); the provider finds them by container id in /proc.
+        # (docs/runtime.md); the provider finds them by container id in /proc.
         kill = getattr(self.provider, "kill_stray_runsc_processes", None)
         if kill is None:
             return []
