@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import h11
 import trio
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -64,6 +64,9 @@ NO_CREW, OTHER_CREW = "-", "_other"
 # The TCP listener: connections served at once, and how long a request head may take.
 TCP_CONNECTIONS = 8
 TCP_HEAD_TIMEOUT = 5.0
+# The text format every Prometheus reads (0.0.4): our names and labels are plain ASCII, so
+# generate_latest writes it the same whatever newer version the library would announce.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _status(status: int) -> str:
@@ -309,7 +312,7 @@ class DaemonMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         """(body, content type): the text exposition format, version 0.0.4."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE
 
     def collect(self) -> Iterator[Metric]:
         daemon = self.daemon
