@@ -316,7 +316,7 @@ class DaemonMetrics:
 
     def collect(self) -> Iterator[Metric]:
         daemon = self.daemon
-        if daemon is not None and self.traffic.crews is not None:
+        if self.traffic.crews is not None:
             self.traffic.forget_crews(set(self.traffic.crews()))
         yield from _families(self.traffic)
         if daemon is None:
@@ -337,6 +337,12 @@ class DaemonMetrics:
             "appliance_journal_queue_entries",
             "Entries waiting to be written to the journal",
             value=journal.pending,
+        )
+        oldest = journal.oldest_pending_ts
+        yield GaugeMetricFamily(
+            "appliance_journal_oldest_unwritten_seconds",
+            "Age of the oldest entry waiting to be written to the journal (0: none waits)",
+            value=0.0 if oldest is None else max(0.0, time.time() - oldest),
         )
         yield GaugeMetricFamily(
             "appliance_journal_queue_capacity",
