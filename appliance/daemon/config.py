@@ -67,7 +67,7 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Runtime files that the proxy workers must reach (the keeper's socket), each applianced in
     # a directory of its own below this one; appliance/daemon/main.py keeper_dir.
     run_dir: str = "/run/agent-appliance-keeper"
-    # Standard error, one line per record (docs/daemon.md "Logs"): "text" for people, "json"
+    # Standard error, one line per record (docs/observability.md): "text" for people, "json"
     # (one object per line) for a log shipper; records from `log_level` up. The proxy workers'
     # records come out the same way. `appliancectl up --log-format/--log-level` override both.
     log_format: Literal["text", "json"] = "text"
@@ -133,7 +133,7 @@ class MetricsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # cannot scrape a Unix socket, so "ADDRESS:PORT" (e.g. "127.0.0.1:9464", "[::1]:9464") also
     # serves them over TCP, GET /metrics only. "" (the default): no TCP listener. The metrics
     # name crews and counts their traffic, no credential: keep the address on loopback or a
-    # monitoring network (docs/daemon.md "Metrics").
+    # monitoring network (docs/observability.md).
     listen: str = ""
 
 

@@ -8,7 +8,7 @@ the crews' traffic comes from the events the proxy workers already send for the 
 `Traffic.proxy_events` once per batch as it reads them; every control-plane figure (crew
 lifecycle, credential changes, keeper decisions, worker exits) from the journal entries the
 recorder submits (`Traffic.entry_submitted`). Both run on applianced's trio thread and add to
-plain dicts (no lock, a few dict operations per event: see docs/daemon.md "Metrics" for the
+plain dicts (no lock, a few dict operations per event: docs/observability.md gives the
 measured cost); gauges that are the daemon's state (workers up, the journal's queue, crews by
 phase) are read at scrape time.
 
