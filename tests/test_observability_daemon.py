@@ -269,6 +269,19 @@ def test_run_logs_no_error_in_text_form(appliance: Appliance) -> None:
         assert done.returncode == 3 and done.stdout == "out\n", done
     fast = app.ctl("run", crew, "--", "true")
     assert fast.returncode == 0, fast
+    # A client killed while its command runs: when the daemon next writes to it (the command's
+    # last line), that is one INFO line. (Stopping the command then is `run`'s business.)
+    gone = subprocess.Popen(
+        [*app.ctl_argv(), "run", crew, "--", "sh", "-c", "echo started; sleep 3; echo done"],
+        stdout=subprocess.PIPE,
+    )
+    assert gone.stdout is not None and gone.stdout.readline() == b"started\n"
+    gone.kill()
+    gone.wait()
+    deadline = time.monotonic() + 20
+    while "admin client went away" not in app.log_text():
+        assert time.monotonic() < deadline, app.log_text()
+        time.sleep(0.2)
     time.sleep(0.5)
     text = app.log_text()
     assert " ERROR " not in text and "Traceback" not in text and "BrokenPipe" not in text, text

@@ -29,8 +29,8 @@ unavailable, 500 failed/internal. A request head must arrive within HEAD_TIMEOUT
 capped at MAX_BODY.
 
 Each request's log records carry a request id (a run's is its journal trace id) and the crew it
-names. A client that goes away mid-answer (Ctrl-C, a killed `appliancectl`, a closed pipe) is
-not an error: one INFO line, no traceback; a run it was following is cancelled and journaled so.
+names. A client that goes away mid-answer (Ctrl-C, a killed `appliancectl`, a closed pipe, or
+`run` closing as soon as it has read the exit) is not an error: one INFO line, no traceback.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class AdminServer:
         except DaemonError as exc:
             reply = _Reply(exc.status, self._error(exc))
         except _CLIENT_GONE:
-            # Expected: the client stopped reading (a run's command was cancelled and journaled).
+            # Expected: the client stopped reading; noticed at our next write to it.
             log.info("admin client went away during %s %s", method, path)
             return
         except Exception as exc:  # a bug: answer, log, keep serving
