@@ -74,6 +74,11 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
     if args.check:
         out.result(f"{args.config}: ok", {"ok": True, "warnings": warnings})
         return EXIT_OK
+    from proxycore import logs
+
+    # A server in the foreground: its records (the workers' "listening" lines included) as
+    # applianced's workers write them (proxycore/logs.py).
+    logs.configure("text", "info", excepthook="proxycore.worker")
     try:
         if workers == 1:
             from proxycore.worker import run_worker
