@@ -74,6 +74,11 @@ def cmd_proxy(args: argparse.Namespace, out: _Output) -> int:
     if args.check:
         out.result(f"{args.config}: ok", {"ok": True, "warnings": warnings})
         return EXIT_OK
+    from proxycore import logs
+
+    # A server in the foreground: its records (the workers' "listening" lines included) as
+    # applianced's workers write them (proxycore/logs.py).
+    logs.configure("text", "info", excepthook="proxycore.worker")
     try:
         if workers == 1:
             from proxycore.worker import run_worker
@@ -264,6 +269,17 @@ def cmd_up(args: argparse.Namespace, out: _Output) -> int:
         config = _daemon_config(args)
     except Exception as exc:
         return out.error(str(exc), EXIT_USAGE)
+    overrides = {
+        key: value
+        for key, value in (("log_format", args.log_format), ("log_level", args.log_level))
+        if value is not None
+    }
+    if overrides:  # the command line over the file
+        import msgspec
+
+        config = msgspec.structs.replace(
+            config, daemon=msgspec.structs.replace(config.daemon, **overrides)
+        )
     if os.geteuid() != 0:
         return out.error("applianced needs root (netlink, nftables, the engine)", EXIT_FAILURE)
     if args.detach:
@@ -286,6 +302,9 @@ def _up_detached(args: argparse.Namespace, config: Any, out: _Output) -> int:
     command = [sys.executable, "-m", "appliance.cli", "up"]
     if args.config:
         command += ["--config", str(args.config)]
+    for flag, value in (("--log-format", args.log_format), ("--log-level", args.log_level)):
+        if value is not None:
+            command += [flag, value]
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             command,
@@ -792,6 +811,14 @@ def _add_admin_parsers(commands: Any) -> None:
     up.add_argument("--detach", action="store_true", help="run in the background, return when up")
     up.add_argument("--log", help="log file with --detach (default <state_dir>/applianced.log)")
     up.add_argument("--wait", type=float, default=120.0, help="seconds to wait with --detach")
+    up.add_argument(
+        "--log-format", choices=("text", "json"), help="log lines (default: [daemon] log_format)"
+    )
+    up.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="least level logged (default: [daemon] log_level)",
+    )
     up.set_defaults(func=cmd_up)
 
     leaf(commands.add_parser("status", help="applianced's state")).set_defaults(func=cmd_status)

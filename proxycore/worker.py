@@ -1,7 +1,7 @@
 """The proxy worker's entry point: one process of the data plane.
 
     python -m proxycore.worker --config PATH [--control-fd C] [--events-fd E]
-        [--drop-to UID:GID] [--worker-index I]
+        [--drop-to UID:GID] [--worker-index I] [--log-format text|json] [--log-level LEVEL]
 
 Theory of operation
 -------------------
@@ -28,6 +28,9 @@ Start-up runs in this order, each step while the process still has what it needs
 6. it serves until its control channel closes (the parent is gone: stop rather than serve a
    policy nobody can change) or SIGTERM/SIGINT.
 
+It logs one line per record on standard error (proxycore/logs.py): under applianced in JSON,
+which applianced reads, scrubs and writes again in the operator's format.
+
 Without --control-fd the worker is the standalone proxy of `appliancectl proxy`: it binds its
 own listeners and takes control messages on `[control] socket`.
 """
@@ -46,7 +49,7 @@ import trio
 
 from native import headscan
 from native.scrub import native_missing_notice
-from proxycore import preload
+from proxycore import logs, preload
 from proxycore.config import ProxyConfig, load_config, validate
 from proxycore.errors import ConfigError, ProxyError
 from proxycore.io.listener import serve
@@ -55,6 +58,8 @@ from proxycore.privileges import PrivilegeDropError, drop_privileges, forbid_cor
 from proxycore.runtime import ProxyRuntime
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+log = logging.getLogger("proxycore.worker")
 
 
 def make_sink(config: ProxyConfig, events_channel: socket.socket | None = None) -> EventSink:
@@ -136,19 +141,17 @@ def _announce(config: ProxyConfig, worker: int) -> None:
         f"{address}:{config.listen.port}"
         for address in dict.fromkeys([*(c.gateway for c in config.crew), *config.listen.addresses])
     )
-    print(f"proxy worker {worker}: listening on {where}", file=sys.stderr, flush=True)
+    log.info("proxy worker %d: listening on %s", worker, where)
     if worker != 0:
         return  # said once, by the first worker
     notice = native_missing_notice()
     if notice:
-        print(f"proxy: {notice}", file=sys.stderr, flush=True)
+        log.warning("proxy: %s", notice)
     if not headscan.AVAILABLE:
         # The reference parser serves, correct but slower.
-        print(
+        log.warning(
             "proxy: native head scanner not built (no C compiler at install?); "
-            "using the Python parser",
-            file=sys.stderr,
-            flush=True,
+            "using the Python parser"
         )
 
 
@@ -184,12 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="after start-up, become UID:GID with no capabilities and no_new_privs",
     )
     parser.add_argument("--worker-index", type=int, default=0, help="this worker's number")
+    parser.add_argument(
+        "--log-format", choices=logs.FORMATS, default="text", help="standard error's lines"
+    )
+    parser.add_argument("--log-level", choices=logs.LEVELS, default="info")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
+    logs.configure(
+        args.log_format, args.log_level, fields={"worker": args.worker_index}, excepthook=log.name
+    )
     if args.control_fd is None and (args.events_fd is not None or args.drop_to is not None):
         return _error("arguments --events-fd and --drop-to: need --control-fd", EXIT_USAGE)
     try:
@@ -198,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _error(str(exc), EXIT_USAGE)
     for warning in warnings:
-        print(f"proxy worker: warning: {warning}", file=sys.stderr, flush=True)
+        log.warning("proxy worker: warning: %s", warning)
     try:
         channel = None if args.control_fd is None else socket.socket(fileno=args.control_fd)
         events = None if args.events_fd is None else socket.socket(fileno=args.events_fd)
@@ -224,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(message: str, code: int) -> int:
-    print(f"proxy worker: error: {message}", file=sys.stderr, flush=True)
+    log.error("proxy worker: error: %s", message)
     return code
 
 

@@ -157,7 +157,10 @@ resolve = {{ {resolve} }}
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"applianced exited: {self.log_text()}")
-            if "applianced: ready" in self.log_text():
+            text = self.log_text()
+            # text logs: "... INFO applianced: ready (pid ..."; JSON: {"logger":"applianced",
+            # "msg":"ready (pid ...
+            if "applianced: ready" in text or '"msg":"ready (pid' in text:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"applianced not ready: {self.log_text()}")

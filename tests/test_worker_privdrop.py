@@ -18,6 +18,7 @@ keeper calls, control messages and credential grant, rotation and revocation, an
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import select
@@ -156,7 +157,10 @@ def test_workers_serve_every_path_without_reading_their_interpreter(
     ca: trustme.CA,
     ca_file: str,
     capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    # The workers' lines become applianced's log records (appliance/logs.py WorkerLog).
+    caplog.set_level(logging.INFO)
     python, env = interpreter
     bad = RawUpstream(b"HTTP/1.1 2x0 Nope\r\nContent-Length: 0\r\n\r\n")
     silent = RawUpstream(None)
@@ -227,7 +231,7 @@ def test_workers_serve_every_path_without_reading_their_interpreter(
         runner.stop()
         bad.close()
         silent.close()
-    stderr = capfd.readouterr().err
+    stderr = capfd.readouterr().err + caplog.text
     assert "late import refused" not in stderr, stderr
     # (the fake upstreams run in this process: socketserver reports a peer's reset its way)
     workers = re.sub(

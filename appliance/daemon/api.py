@@ -21,11 +21,16 @@ One request per connection (`Connection: close`): appliancectl opens a connectio
     GET    /v1/journal/search?q=&n=    {"entries": [...]} (FTS5 MATCH over summary and payload)
     GET    /v1/journal/export          200, chunked JSON lines: every Row in seq order
     GET    /v1/journal/verify          journal VerifyReport (200 whether or not it is ok)
+    GET    /metrics                    Prometheus text exposition (appliance/daemon/metrics.py)
 
 Errors are `{"error": code, "message": text}` with the status the error class carries
 (errors.py): 400 invalid (names the argument), 404 not_found, 409 exists/conflict, 503
 unavailable, 500 failed/internal. A request head must arrive within HEAD_TIMEOUT and a body is
 capped at MAX_BODY.
+
+Each request's log records carry a request id (a run's is its journal trace id) and the crew it
+names. A client that goes away mid-answer (Ctrl-C, a killed `appliancectl`, a closed pipe, or
+`run` closing as soon as it has read the exit) is not an error: one INFO line, no traceback.
 """
 
 from __future__ import annotations
@@ -38,12 +43,15 @@ import os
 import socket
 import struct
 import urllib.parse
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import h11
 import msgspec
 import trio
+
+from proxycore import logs
 
 from . import messages
 from .errors import DaemonError, InvalidRequest
@@ -56,6 +64,15 @@ log = logging.getLogger("applianced.api")
 MAX_BODY = 1 << 20
 HEAD_TIMEOUT = 10.0
 PREFIX = "/v1/"
+METRICS_PATH = "/metrics"
+# The client closed its end while we answered: expected, never an error.
+_CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def _crew_named(target: str) -> str | None:
+    """The crew a request names (/v1/crews/{name}...), for its log records."""
+    parts = target.split("?", 1)[0].split("/")
+    return parts[3] if len(parts) > 3 and parts[1:3] == ["v1", "crews"] and parts[3] else None
 
 
 class _Reply(msgspec.Struct, frozen=True):
@@ -130,16 +147,28 @@ class AdminServer:
                 return
             target = request.target.decode("ascii", "replace")
             method = request.method.decode("ascii", "replace")
-            try:
-                reply = await self._dispatch(method, target, body, stream, conn)
-            except DaemonError as exc:
-                reply = _Reply(exc.status, self._error(exc))
-            except Exception as exc:  # a bug: answer, log, keep serving
-                log.exception("admin request %s %s", method, target)
-                reply = _Reply(500, messages.ErrorBody("internal", f"internal error: {exc}"))
-            if reply is not None:
-                with contextlib.suppress(trio.BrokenResourceError, h11.LocalProtocolError):
-                    await self._send(stream, conn, reply)
+            with logs.bound(request_id=uuid.uuid4().hex, crew=_crew_named(target)):
+                await self._answer(method, target, body, stream, conn)
+
+    async def _answer(
+        self, method: str, target: str, body: bytes, stream: trio.SocketStream, conn: h11.Connection
+    ) -> None:
+        path = target.split("?", 1)[0]
+        try:
+            reply = await self._dispatch(method, target, body, stream, conn)
+        except DaemonError as exc:
+            reply = _Reply(exc.status, self._error(exc))
+        except _CLIENT_GONE:
+            # Expected: the client stopped reading; noticed at our next write to it.
+            log.info("admin client went away during %s %s", method, path)
+            return
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("admin request %s %s", method, path)
+            reply = _Reply(500, messages.ErrorBody("internal", f"internal error: {exc}"))
+        if reply is not None:
+            log.debug("%s %s: %d", method, path, reply.status)
+            with contextlib.suppress(*_CLIENT_GONE, h11.LocalProtocolError):
+                await self._send(stream, conn, reply)
 
     @staticmethod
     def _error(exc: DaemonError) -> messages.ErrorBody:
@@ -189,6 +218,11 @@ class AdminServer:
         conn: h11.Connection,
     ) -> _Reply | None:
         path = target.split("?", 1)[0]
+        if path == METRICS_PATH:
+            if method != "GET":
+                raise _MethodNotAllowed(f"{method} not allowed on {path}")
+            await self._stream_metrics(stream, conn)
+            return None
         if not path.startswith(PREFIX):
             raise _NotFound(f"no such endpoint: {path}")
         parts = path[len(PREFIX) :].strip("/").split("/")
@@ -332,4 +366,18 @@ class AdminServer:
                         stream=event.stream, line=event.line.decode("utf-8", "replace")
                     )
                 await send(conn.send(h11.Data(data=messages.encoder.encode(item) + b"\n")))
-        await send(conn.send(h11.EndOfMessage()))
+        # The client may close as soon as it has read the exit (appliance/ctl.py does): the
+        # run is complete either way.
+        with contextlib.suppress(*_CLIENT_GONE):
+            await send(conn.send(h11.EndOfMessage()))
+
+    async def _stream_metrics(self, stream: trio.SocketStream, conn: h11.Connection) -> None:
+        data, content_type = self.daemon.metrics.exposition()
+        headers = [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(data))),
+            ("Connection", "close"),
+        ]
+        await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
+        await stream.send_all(conn.send(h11.Data(data=data)))
+        await stream.send_all(conn.send(h11.EndOfMessage()))

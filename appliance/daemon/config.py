@@ -9,6 +9,8 @@ Unknown keys and bad values are errors naming the key (`ConfigInvalid`), as in
     [net]      netns.NetConfig (pool, table, interface prefix...); proxy_ports is set from
                [daemon] proxy_port, so the rules and the proxy can never disagree
     [credentials]  the credential store's file and key source (docs/credentials.md)
+    [metrics]  the Prometheus metrics' optional TCP listener (they are always on the admin
+               socket)
     [proxy]    what the proxy core takes from its own config file except crews, listeners and
                control (applianced supplies those): limits, providers, upstream, events, scrub,
                policy
@@ -18,9 +20,10 @@ No file at all means every default.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -64,6 +67,11 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Runtime files that the proxy workers must reach (the keeper's socket), each applianced in
     # a directory of its own below this one; appliance/daemon/main.py keeper_dir.
     run_dir: str = "/run/agent-appliance-keeper"
+    # Standard error, one line per record (docs/observability.md): "text" for people, "json"
+    # (one object per line) for a log shipper; records from `log_level` up. The proxy workers'
+    # records come out the same way. `appliancectl up --log-format/--log-level` override both.
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 class ImagesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,6 +128,15 @@ class ProxySection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: PolicyConfig = PolicyConfig()
 
 
+class MetricsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Prometheus metrics are always served on the admin socket (GET /metrics); Prometheus
+    # cannot scrape a Unix socket, so "ADDRESS:PORT" (e.g. "127.0.0.1:9464", "[::1]:9464") also
+    # serves them over TCP, GET /metrics only. "" (the default): no TCP listener. The metrics
+    # name crews and counts their traffic, no credential: keep the address on loopback or a
+    # monitoring network (docs/observability.md).
+    listen: str = ""
+
+
 class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     daemon: DaemonSection = DaemonSection()
     images: ImagesSection = ImagesSection()
@@ -129,6 +146,7 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     credentials: CredentialsSection = CredentialsSection()
     # The keeper's gatekeeper model (docs/keeper.md): model, url, timeout_seconds.
     keeper: GatekeeperConfig = GatekeeperConfig()
+    metrics: MetricsSection = MetricsSection()
 
     @property
     def max_cpus(self) -> float:
@@ -209,6 +227,11 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
             "applianced journals the proxy's events itself (each worker sends them over its "
             "events channel); remove the key",
         )
+    if config.metrics.listen:
+        try:
+            metrics_address(config.metrics.listen)
+        except ValueError as exc:
+            raise fail("metrics.listen", str(exc)) from None
     if not daemon.provider:
         raise fail("daemon.provider", "must be 'docker' or 'module:factory'")
     crews = config.crews
@@ -231,3 +254,18 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
     except ConfigError as exc:
         raise ConfigInvalid(str(exc)) from None
     return config
+
+
+def metrics_address(text: str) -> tuple[str, int]:
+    """("127.0.0.1", 9464) from "127.0.0.1:9464", ("::1", 9464) from "[::1]:9464"; an IP
+    address, not a name (nothing is resolved at start). ValueError says what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not ADDRESS:PORT (a port from 1 to 65535)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{text!r}: {host!r} is not an IP address") from None
+    return host, int(port)

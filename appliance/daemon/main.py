@@ -37,6 +37,7 @@ from appliance.journal import Journal
 from appliance.journal.recorder import JournalRecorder
 from appliance.keeper.channel import KeeperChannel, new_token
 from appliance.keeper.service import KeeperService
+from appliance.logs import setup as setup_logging
 from appliance.runtime.base import RuntimeProvider
 from netns import CrewNetworks
 from proxycore import control
@@ -44,10 +45,12 @@ from proxycore.privileges import forbid_core_dumps
 
 from . import messages
 from .api import AdminServer
-from .config import ApplianceConfig
+from .config import ApplianceConfig, metrics_address
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
+from .metrics import DaemonMetrics, Traffic
+from .metrics import serve_tcp as serve_metrics
 from .proxy import ProxyPool
 from .state import CrewPhase, StateStore
 
@@ -114,6 +117,7 @@ class Daemon:
         self.journal: Journal
         self.recorder: JournalRecorder
         self.credentials_api: CredentialsApi
+        self.metrics: DaemonMetrics
 
     def _lock_state(self) -> None:
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -169,7 +173,12 @@ class Daemon:
             raise
         networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
         journal = Journal(self.state_dir / JOURNAL_FILE)
-        recorder = JournalRecorder(journal, on_backpressure=self._audit_paused)
+        # Counted as the journal ingests (appliance/daemon/metrics.py); crew labels are bounded
+        # by the crews the proxy serves.
+        self.metrics = DaemonMetrics(self, Traffic(crews=lambda: self.proxy.crews))
+        recorder = JournalRecorder(
+            journal, on_backpressure=self._audit_paused, observer=self.metrics.traffic
+        )
         try:
             self.networks = networks
             self.journal = journal
@@ -235,11 +244,14 @@ class Daemon:
 
                 nursery.start_soon(keep_pool)
                 await nursery.start(AdminServer(self).serve, self.config.daemon.admin_socket)
-                print(
-                    f"applianced: ready (pid {os.getpid()}, admin socket "
-                    f"{self.config.daemon.admin_socket}, provider {self.provider.name})",
-                    file=sys.stderr,
-                    flush=True,
+                if self.config.metrics.listen:
+                    host, port = metrics_address(self.config.metrics.listen)
+                    await nursery.start(serve_metrics, self.metrics, host, port)
+                log.info(
+                    "ready (pid %d, admin socket %s, provider %s)",
+                    os.getpid(),
+                    self.config.daemon.admin_socket,
+                    self.provider.name,
                 )
                 task_status.started()
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -281,11 +293,9 @@ def run_daemon(config: ApplianceConfig) -> int:
     """The foreground daemon; returns the process exit code."""
     # applianced holds the store's key and, while pushing them, credential values.
     forbid_core_dumps()
-    # appliancectl's main configured WARNING for the admin commands; the daemon logs at INFO
-    # (crew and credential changes: names only, never a value).
-    logging.basicConfig(
-        level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", force=True
-    )
+    # One line per record, text or JSON, from [daemon] log_level (INFO by default: crew and
+    # credential changes, names only, never a value); appliance/logs.py.
+    setup_logging(config.daemon.log_format, config.daemon.log_level)
     try:
         provider = load_provider(config)
         daemon = Daemon(config, provider, on_step=kill_hook_from_env())

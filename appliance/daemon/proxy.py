@@ -49,6 +49,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from appliance.logs import WorkerLog, worker_level
 from native.scrub import Scrubber
 from proxycore import control
 from proxycore.config import ProxyConfig
@@ -105,7 +106,13 @@ class _Worker:
         process = self.process
         if process is None or process.returncode is not None:
             return None
-        log.error("proxy worker %d (pid %d): %s; killing it", self.index, process.pid, why)
+        log.error(
+            "proxy worker %d (pid %d): %s; killing it",
+            self.index,
+            process.pid,
+            why,
+            extra={"worker": self.index, "worker_pid": process.pid},
+        )
         if self.killed_for is None:
             self.killed_for = why
         process.kill()
@@ -215,6 +222,11 @@ class ProxyPool:
             str(events_fd),
             "--worker-index",
             str(worker.index),
+            # JSON on the stderr pipe: applianced logs each record again in its own format.
+            "--log-format",
+            "json",
+            "--log-level",
+            worker_level(),
         ]
         if self.drop_to is not None:
             argv += ["--drop-to", f"{self.drop_to[0]}:{self.drop_to[1]}"]
@@ -242,7 +254,9 @@ class ProxyPool:
             worker.process, worker.killed_for = process, None
             worker.started, born = time.time(), trio.current_time()
             events = trio.SocketStream(trio.socket.from_stdlib_socket(events_ours))
-            tail = StderrTail(self._scrub, relay=sys.stderr)
+            tail = StderrTail(
+                self._scrub, records=WorkerLog(worker.index, process.pid, self._scrub)
+            )
             # The readers run until EOF, i.e. until the worker has exited and its last batch is
             # read, shielded from our cancellation (shutdown) so that a stopping worker's last
             # decisions still reach the journal; EVENTS_GRACE after the worker is gone, at most.
@@ -302,6 +316,7 @@ class ProxyPool:
             worker.restarts,
             gone.restart_in,
             last_words,
+            extra={"worker": worker.index, "worker_pid": process.pid},
         )
         if self.on_exit is not None:
             try:

@@ -29,11 +29,12 @@ connection only). What backoff keeps bounded is the cost of a worker that cannot
 
 An exit is recorded as a `WorkerExit`: the exit status or the signal's name, whether applianced
 killed the worker itself and why (`_Worker.kill`), and the last lines the worker wrote on its
-standard error. applianced reads that through a pipe and relays each line to its own standard
-error (where the worker's stderr went before), keeping the last `TAIL_LINES` lines. Every line,
-relayed or kept, passes through the scrubber applianced's journal uses (every stored credential
-and the default secret shapes): a traceback that quoted a key never reaches a log, the journal
-(`proxy.worker_exited`) or `appliancectl status` with it.
+standard error. applianced reads that through a pipe and logs each line as a record of its own
+(appliance/logs.py `WorkerLog`: the worker writes JSON records, applianced writes them in the
+operator's format), keeping the last `TAIL_LINES` messages. Every line, logged or kept, passes
+through the scrubber applianced's journal uses (every stored credential and the default secret
+shapes): a traceback that quoted a key never reaches a log, the journal (`proxy.worker_exited`)
+or `appliancectl status` with it.
 """
 
 from __future__ import annotations
@@ -42,14 +43,17 @@ import collections
 import random
 import signal
 from collections.abc import Callable
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import msgspec
 import trio
 
 TAIL_LINES = 20
-# A line longer than this is cut (kept and relayed as its first LINE_BYTES bytes, then "...").
-LINE_BYTES = 1024
+# A line longer than this is cut (logged as its first LINE_BYTES bytes, then "..."): room for a
+# JSON record with a traceback.
+LINE_BYTES = 64 * 1024
+# What the tail keeps of a line (status and the journal show it): its first TAIL_CHARS, "...".
+TAIL_CHARS = 1024
 
 
 class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,19 +106,28 @@ def exit_status(returncode: int) -> tuple[int | None, str | None]:
         return None, f"signal {-returncode}"
 
 
+class LineLogger(Protocol):
+    def emit(self, line: str, *, cut: bool = False) -> str:
+        """Log one raw line; returns its scrubbed text (appliance/logs.py `WorkerLog`)."""
+        ...
+
+
 class StderrTail:
-    """A worker's standard error, fed as it arrives: each complete line is scrubbed, relayed to
-    `relay` and kept (the last `lines`). Bounded: a partial line longer than LINE_BYTES is cut."""
+    """A worker's standard error, fed as it arrives: each complete line is scrubbed, logged
+    (`records`) or printed to `relay`, and kept (the last `lines`). Bounded: a partial line
+    longer than LINE_BYTES is cut."""
 
     def __init__(
         self,
         scrub: Callable[[str], str],
         *,
         relay: TextIO | None = None,
+        records: LineLogger | None = None,
         lines: int = TAIL_LINES,
     ) -> None:
         self.scrub = scrub
         self.relay = relay
+        self.records = records
         self.lines: collections.deque[str] = collections.deque(maxlen=lines)
         self._partial = bytearray()
         self._cut = False  # dropping the rest of a line that was too long
@@ -141,11 +154,13 @@ class StderrTail:
         self._cut = False
 
     def _emit(self, *, cut: bool) -> None:
-        text = self.scrub(self._partial.decode("utf-8", "replace").rstrip("\r"))
+        raw = self._partial.decode("utf-8", "replace").rstrip("\r")
         self._partial.clear()
-        if cut:
-            text += "..."
-        self.lines.append(text)
+        if self.records is not None:
+            text = self.records.emit(raw, cut=cut)
+        else:
+            text = self.scrub(raw) + ("..." if cut else "")
+        self.lines.append(text if len(text) <= TAIL_CHARS else text[:TAIL_CHARS] + "...")
         if self.relay is not None:
             try:
                 print(text, file=self.relay, flush=True)

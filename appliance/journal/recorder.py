@@ -20,6 +20,8 @@ journal it records nothing, so CrewManager works unchanged in tests that do not 
   could not be recorded. What an applianced crash loses: the events in flight (the worker's
   queue, at most one flush interval, 50 ms, plus the socket's buffer), since the workers exit
   with it; docs/journal.md.
+- An `observer` (applianced's metrics, appliance/daemon/metrics.py) is shown every batch of a
+  worker's events as it is decoded and every entry as it is submitted; it must not block.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
 
+from proxycore import logs
 from proxycore.protocol import events as pe
 
 from . import entries as E
@@ -51,6 +54,14 @@ MAX_EVENT_LINE = 1 << 20
 UNREADABLE_EVENT = "an event line was redacted or unreadable"
 
 Backpressure = Callable[[bool], Awaitable[None]]
+
+
+class Observer(Protocol):
+    """Told what the recorder journals, on the trio thread (applianced's metrics)."""
+
+    def proxy_events(self, worker: int, events: Sequence[pe.AnyEvent | None]) -> None: ...
+
+    def entry_submitted(self, entry: E.Entry) -> None: ...
 
 
 def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
@@ -179,17 +190,23 @@ def crew_created(row: _CrewLike) -> E.CrewCreated:
 
 class JournalRecorder:
     def __init__(
-        self, journal: Journal | None = None, on_backpressure: Backpressure | None = None
+        self,
+        journal: Journal | None = None,
+        on_backpressure: Backpressure | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.journal = journal
         self.on_backpressure = on_backpressure
+        self.observer = observer
         self.backpressure = False
+        self.backpressure_episodes = 0  # times the journal fell behind (crews refused)
         self._last_full = float("-inf")
 
     async def _signal(self, paused: bool) -> None:
         if paused == self.backpressure:
             return
         self.backpressure = paused
+        self.backpressure_episodes += paused
         log.warning(
             "journal %s: crew traffic %s",
             "behind" if paused else "caught up",
@@ -205,6 +222,8 @@ class JournalRecorder:
         """Append and wait until it is on disk; waits for room if the queue is full."""
         if self.journal is None:
             return None
+        if self.observer is not None:
+            self.observer.entry_submitted(entry)
         done = trio.Event()
         token = trio.lowlevel.current_trio_token()
         while True:
@@ -220,6 +239,8 @@ class JournalRecorder:
         """For paths that cannot wait (cancellation): queued, acknowledged later."""
         if self.journal is None:
             return
+        if self.observer is not None:
+            self.observer.entry_submitted(entry)
         try:
             self.journal.submit(entry)
         except JournalFull:
@@ -305,7 +326,10 @@ class JournalRecorder:
         """The exec's events, passed through, with the run's lifecycle recorded around them."""
         from appliance.runtime.base import ExecExited
 
-        scope: dict[str, Any] = {"crew": crew, "trace_id": uuid.uuid4().hex}
+        # The admin request's id when there is one (its log records carry it): a run's log
+        # lines and its journal entries share one id.
+        trace_id = logs.context_value("request_id") or uuid.uuid4().hex
+        scope: dict[str, Any] = {"crew": crew, "trace_id": trace_id}
         await self.record(E.RunStarted(argv=argv, timeout=timeout, **scope))
         started = time.monotonic()
         finished = False
@@ -379,6 +403,8 @@ class JournalRecorder:
                     except msgspec.DecodeError:
                         # The scrubber replaced a line whole, or a line is damaged: say so.
                         events.append(None)
+                if self.observer is not None:
+                    self.observer.proxy_events(worker, events)
                 for entry in entries_for_batch(events):
                     await self._submit(journal, entry)
 
@@ -387,6 +413,8 @@ class JournalRecorder:
         wait for room (the worker's own queue holds what arrives meanwhile)."""
         if journal is None:
             return
+        if self.observer is not None:
+            self.observer.entry_submitted(entry)
         while True:
             try:
                 journal.submit(entry)

@@ -251,6 +251,13 @@ class Journal:
     def pending(self) -> int:
         return len(self._queue)
 
+    @property
+    def oldest_pending_ts(self) -> float | None:
+        """The time of the oldest entry still waiting for disk (its own `ts`), or None: the
+        journal's lag, for applianced's metrics."""
+        with self._cond:
+            return self._queue[0][0].ts if self._queue else None
+
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
         with self._cond:

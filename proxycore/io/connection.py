@@ -164,7 +164,8 @@ class ClientConnection:
         log.error(
             "proxy: unexpected error serving crew %s (connection ended, worker unaffected): %s",
             self.crew.name,
-            scrubber.scrub_text(trace),
+            scrubber.scrub_text(_cause(exc)),
+            extra={"crew": self.crew.name, "trace": scrubber.scrub_text(trace)},
         )
         status = 0 if self.response_started else 500
         self._emit_terminal_errored(scrubber.scrub_text(_cause(exc)), status)
@@ -329,6 +330,7 @@ class ClientConnection:
                 duration=time.monotonic() - progress.started,
                 complete=ended == "complete",
                 ended=ended,
+                redactions=progress.redactions,
             )
         )
 

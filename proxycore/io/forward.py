@@ -33,6 +33,7 @@ from proxycore.protocol.events import CredentialInjected
 from proxycore.protocol.exchange import REPLAYABLE_BODY
 from proxycore.protocol.plans import Forward, Refuse
 from proxycore.protocol.responses import WHOLE_BODY, BodyMode, ResponsePlan, plan_response
+from proxycore.protocol.scrubbing import MarkerCount, redactions
 
 if TYPE_CHECKING:
     from proxycore.io.connection import ClientConnection
@@ -94,6 +95,8 @@ async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.Reque
         del buffer[:length]
         scrubbed = conn.runtime.scrubbers.current.scrub(body) if body else body
         progress.bytes_down = len(scrubbed)
+        if body:
+            progress.redactions = redactions(body, scrubbed)
         out = decided.head(len(scrubbed))
         out += scrubbed
     conn.response_started = True
@@ -380,6 +383,8 @@ async def _relay_stream(
     progress = conn.progress
     assert progress is not None
     scrub = conn.runtime.scrubbers.current.stream()
+    # Markers in and out: their difference is what the scrubber redacted.
+    markers_in, markers_out = MarkerCount(), MarkerCount()
     reader = http1.BodyReader.for_response(response, conn.runtime.http_limits)
     buffer = upstream.buffer
     rechunk = decided.rechunk
@@ -401,12 +406,14 @@ async def _relay_stream(
     try:
         while True:
             if piece:
+                markers_in.feed(piece)
                 # An SSE event comes out with the read that completed it, unless its last
                 # bytes could begin a secret (native/scrub_reference.py: the hold-back rule).
                 piece = scrub.feed(piece)
             if reader.done:
                 piece += scrub.flush()
             if piece:
+                markers_out.feed(piece)
                 progress.bytes_down += len(piece)
                 out += http1.encode_chunk(piece) if rechunk else piece
             if reader.done:
@@ -430,6 +437,7 @@ async def _relay_stream(
         ended = f"upstream_protocol_error: {exc}"
     except _UpstreamBroken as exc:
         ended = f"upstream_closed: {exc}"
+    progress.redactions = max(0, markers_out.count - markers_in.count)
     if ended != "complete":
         # Too late for a refusal: the agent sees the connection end without the last chunk
         # (or short of its length), which every HTTP client reads as a truncated response.

@@ -301,7 +301,8 @@ async def _serve_control_channel(
         return reply
 
     await serve_control_channel(channel.socket, handler)
-    log.warning("control channel closed; stopping")
+    # applianced closed it: it is stopping, or it stopped this worker (an expected end).
+    log.info("control channel closed; stopping")
     nursery.cancel_scope.cancel()
 
 

@@ -38,6 +38,8 @@ class Progress:
     status: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    # Secrets the scrubber redacted from the answer's body (proxycore/protocol/scrubbing.py).
+    redactions: int = 0
     # The request's body has been read (or it had none): a refusal need not drain it.
     body_consumed: bool = False
 

@@ -38,6 +38,8 @@ class RequestAllowed(Event, frozen=True, tag="request_allowed"):
     # "complete", or why it was cut: "agent_closed", "upstream_closed", "upstream_timeout",
     # "upstream_protocol_error: ...", "crew_removed", "shutdown", ...
     ended: str = "complete"
+    # Secrets the scrubber redacted from the answer (head and body); left off the wire when 0.
+    redactions: int = 0
 
 
 class RequestDenied(Event, frozen=True, tag="request_denied"):

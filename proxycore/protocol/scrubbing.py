@@ -13,6 +13,12 @@ What passes through it, in this module's helpers and in server.py:
 - response bodies, streamed (`Scrubber.stream`); a body whose length changes is re-framed;
 - the events the data plane writes (`scrub_json_lines`), line by line, keeping each line JSON.
 
+Counting redactions (applianced's `appliance_scrubber_redactions_total`): every redaction is a
+marker `[REDACTED:<name>]` in the output, so a body's count is the markers that came out minus
+those that went in (an upstream may quote a marker: it passes through unchanged). The engine
+reports nothing itself and needs no change for this; `MarkerCount` follows markers that straddle
+two chunks of a stream.
+
 Compressed bodies: the proxy asks every upstream for `accept-encoding: identity` and refuses a
 response that is encoded anyway (`unscrubbable_encoding`), rather than relay bytes it cannot read.
 """
@@ -29,6 +35,35 @@ from proxycore.config import ScrubShapeConfig
 from proxycore.errors import ConfigError
 
 IDENTITY = b"identity"
+# What the scrubber writes in place of a secret, up to the name (native/scrub_reference.py
+# `marker`); it cannot overlap itself, so `bytes.count` finds each once.
+MARKER = b"[REDACTED:"
+_CARRY = len(MARKER) - 1
+
+
+def redactions(before: bytes, after: bytes) -> int:
+    """Secrets redacted from `before` (one whole input) to give `after`."""
+    return max(0, after.count(MARKER) - before.count(MARKER))
+
+
+class MarkerCount:
+    """Markers in a stream of chunks, one that straddles two chunks included."""
+
+    __slots__ = ("_tail", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        tail = self._tail
+        if tail:
+            # Shorter than a marker on each side: whatever matches here straddles the cut.
+            self.count += (tail + chunk[:_CARRY]).count(MARKER)
+        self.count += chunk.count(MARKER)
+        self._tail = chunk[-_CARRY:] if len(chunk) >= _CARRY else (tail + chunk)[-_CARRY:]
 
 
 def configured_shapes(shapes: Sequence[ScrubShapeConfig]) -> tuple[Shape, ...]:
