@@ -334,7 +334,9 @@ def _vacuum(conn: sqlite3.Connection) -> Generator[None, None, bool]:
         rebuilt = True
         yield
     while conn.execute("PRAGMA freelist_count").fetchone()[0] > 0:
-        conn.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES})")
+        # Each sqlite3_step of this pragma frees one page and Python's execute() steps once:
+        # executescript steps it to its end.
+        conn.executescript(f"PRAGMA incremental_vacuum({VACUUM_PAGES})")
         yield
     return rebuilt
 
