@@ -26,6 +26,7 @@ the checkpoint names in place; verify accepts that, and the next prune deletes t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sqlite3
@@ -45,9 +46,9 @@ from .verify import Problem, verify
 
 log = logging.getLogger("applianced.journal")
 
-DELETE_BATCH = 2_000  # entries per delete step (docs/journal.md, "Retention": the pauses)
+DELETE_BATCH = 1_000  # entries per delete step (docs/journal.md, "Retention": the pauses)
 MERGE_PAGES = 200  # FTS5 pages written per merge step
-VACUUM_PAGES = 2_000  # pages given back per incremental_vacuum step
+VACUUM_PAGES = 500  # pages given back per incremental_vacuum step
 DAY = 86_400.0
 
 
@@ -178,11 +179,14 @@ def prune(
     now: float | None = None,
     dry_run: bool = False,
     batch: int = DELETE_BATCH,
+    trusted: tuple[str, ...] = (),
 ) -> PruneReport:
     """Apply `policy` (blocking; call it off the trio thread). JournalTampered if what would be
-    removed does not verify; nothing is removed then."""
+    removed does not verify; nothing is removed then. `trusted`: the public keys earlier
+    checkpoints may be signed with (the signer's own is always trusted)."""
+    keys = (signer.public, *(k for k in trusted if k != signer.public))
     with journal.maintenance:
-        return _prune(journal, policy, signer, now or time.time(), dry_run, batch)
+        return _prune(journal, policy, signer, now or time.time(), dry_run, batch, keys)
 
 
 def _prune(
@@ -192,6 +196,7 @@ def _prune(
     now: float,
     dry_run: bool,
     batch: int,
+    keys: tuple[str, ...],
 ) -> PruneReport:
     started = time.monotonic()
     before = file_bytes(journal.path)
@@ -224,7 +229,7 @@ def _prune(
     checkpoint_seq = None
     if plan.through > plan.checkpointed:
         began = time.monotonic()
-        report = verify(journal.path, keys=(signer.public,), until=plan.through + 1)
+        report = verify(journal.path, keys=keys, until=plan.through + 1)
         phases["verify"] = Phase(time.monotonic() - began)
         if report.problem is not None:
             raise JournalTampered(report.problem)
@@ -355,6 +360,7 @@ async def keep_pruned(
     policy: RetentionPolicy,
     interval: float,
     *,
+    trusted: tuple[str, ...] = (),
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """applianced's retention: prune every `interval` seconds (the first one a minute after
@@ -366,7 +372,9 @@ async def keep_pruned(
     await trio.sleep(min(interval, 60.0))
     while True:
         try:
-            report = await trio.to_thread.run_sync(prune, journal, policy, signer)
+            report = await trio.to_thread.run_sync(
+                functools.partial(prune, journal, policy, signer, trusted=trusted)
+            )
         except JournalTampered as exc:
             log.error("retention: %s", exc)
         except JournalError as exc:

@@ -128,6 +128,7 @@ END
 """
 
 SYNCHRONOUS = ("FULL", "NORMAL", "OFF")
+MAX_STEP_DELAY = 1.0  # seconds a maintenance step may be put off while entries are queued
 
 
 class JournalFull(JournalError):
@@ -346,6 +347,7 @@ class Journal:
     # -- the writer ------------------------------------------------------------------------
 
     def _writer(self) -> None:
+        last_step = 0.0
         while True:
             with self._cond:
                 while not self._queue and not self._jobs and not self._closing:
@@ -361,9 +363,16 @@ class Journal:
                 job = self._jobs[0] if self._jobs else None
             if batch:
                 self._write_entries(batch)
-            # One step of maintenance per batch: under load the recorder waits for one step at
-            # a time, and maintenance still advances.
-            if job is not None and job._step():
+            if job is None:
+                continue
+            # Entries first: a step only once the queue is down to less than a batch, or at
+            # least once a second (so maintenance advances under any load); then the recorder
+            # waits for one step at a time, never for a whole prune.
+            now = time.monotonic()
+            if len(self._queue) >= self.max_batch and now - last_step < MAX_STEP_DELAY:
+                continue
+            last_step = now
+            if job._step():
                 with self._cond:
                     self._jobs.popleft()
 

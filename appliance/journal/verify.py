@@ -36,6 +36,7 @@ import msgspec
 
 from . import entries as E
 from . import signing
+from .export import ExportReport, is_export, read_lines, verify_export
 from .rows import (
     CHECKPOINT_TYPE,
     GENESIS,
@@ -83,6 +84,7 @@ class VerifyReport(msgspec.Struct, frozen=True):
     checkpoints: int = 0  # checkpoints in the chain, each one's signature checked
     keys: tuple[str, ...] = ()  # the trusted public keys
     anchor_from: str | None = None  # "journal.head" | "signed backup head" | None
+    keys_from_file: bool = False  # offline, no key given: checked with the file's own key
 
 
 class _Anchor(msgspec.Struct, frozen=True):
@@ -107,21 +109,40 @@ def verify(
     return _verify_db(path, anchor, tuple(keys), until=until)
 
 
-def verify_file(path: Path, *, keys: Iterable[str] = ()) -> VerifyReport:
-    """A backup (SQLite, its signed head as the anchor) or an export (JSON lines, no anchor),
-    offline: no applianced, no state directory needed."""
+def verify_file(path: Path, *, keys: Iterable[str] = ()) -> VerifyReport | ExportReport:
+    """A backup (SQLite, its signed head as the anchor) or an export (JSON lines: a signed
+    export, export.py, or the rows alone), offline: no applianced, no state directory needed.
+    Without `keys` the file's own key is used (`keys_from_file` says so): that shows the file
+    is intact, not who made it."""
     trusted = tuple(keys)
     try:
         with open(path, "rb") as file:
-            magic = file.read(len(SQLITE_MAGIC))
+            first = file.readline()
     except OSError as exc:
         raise JournalError(f"cannot read {path}: {exc.strerror}") from None
-    if magic == SQLITE_MAGIC:
+    if first.startswith(SQLITE_MAGIC):
+        from_file = not trusted
+        if from_file:
+            trusted = _backup_key(path)
         head, problem = backup_head(path, trusted)
         if problem is not None:
             return _failed(problem, trusted)
-        return _verify_db(path, head, trusted)
+        report = _verify_db(path, head, trusted)
+        return msgspec.structs.replace(report, keys_from_file=from_file)
+    if is_export(first):
+        return verify_export(read_lines(path), trusted)
     return _verify_export(path, trusted)
+
+
+def _backup_key(path: Path) -> tuple[str, ...]:
+    conn = connect(path, readonly=True)
+    try:
+        rows = conn.execute(f"SELECT key FROM {BACKUP_HEAD_TABLE}").fetchall()  # noqa: S608
+    except sqlite3.DatabaseError:
+        return ()
+    finally:
+        conn.close()
+    return tuple(str(row[0]) for row in rows[:1])
 
 
 def backup_head(path: Path, keys: tuple[str, ...]) -> tuple[_Anchor | None, Problem | None]:
