@@ -317,3 +317,31 @@ def read_lines(path: Path) -> Iterator[bytes]:
             yield from file
     except OSError as exc:
         raise JournalError(f"cannot read {path}: {exc.strerror}") from None
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
+
+
+def parse_time(text: str, *, now: float | None = None) -> float:
+    """A time as the CLI takes it: seconds since the epoch, an ISO 8601 date or date-time (UTC
+    unless it names its zone), or an age (`30m`, `12h`, `7d`: that long before now);
+    ValueError naming the forms."""
+    import datetime
+
+    value = text.strip()
+    if value[-1:] in _UNITS and value[:-1].replace(".", "", 1).isdigit():
+        return (time.time() if now is None else now) - float(value[:-1]) * _UNITS[value[-1]]
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a time (seconds since the epoch, 2026-01-31, "
+            "2026-01-31T12:00:00+01:00, or an age: 30m, 12h, 7d)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
