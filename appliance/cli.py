@@ -562,10 +562,17 @@ def cmd_journal_search(args: argparse.Namespace, out: _Output) -> int:
 
 def cmd_journal_export(args: argparse.Namespace, out: _Output) -> int:
     from appliance.daemon.client import AdminClient, AdminError, Unreachable
+    from appliance.journal.export import parse_time
 
+    try:
+        since = None if args.since is None else parse_time(args.since)
+        until = None if args.until is None else parse_time(args.until)
+    except ValueError as exc:
+        return out.error(f"argument --since/--until: {exc}", EXIT_USAGE)
+    query = _journal_query(since=since, until=until, crew=args.crew)
     client = AdminClient(_socket_path(args), timeout=None)
     try:
-        for line in client.lines("/v1/journal/export"):
+        for line in client.lines(f"/v1/journal/export?{query}"):
             sys.stdout.buffer.write(line)
         sys.stdout.flush()
     except Unreachable as exc:
@@ -575,15 +582,158 @@ def cmd_journal_export(args: argparse.Namespace, out: _Output) -> int:
     return EXIT_OK
 
 
+def _journal_keys(args: argparse.Namespace, out: _Output) -> tuple[str, ...] | None:
+    from appliance.journal.signing import parse_public_key
+
+    try:
+        return tuple(parse_public_key(key) for key in args.public_key)
+    except ValueError as exc:
+        out.error(f"argument --public-key: {exc}", EXIT_USAGE)
+        return None
+
+
+def cmd_journal_verify_file(args: argparse.Namespace, out: _Output) -> int:
+    """Offline: a backup or an export, no applianced needed."""
+    import msgspec
+
+    from appliance.journal import JournalError, verify_file
+    from appliance.journal.export import ExportReport
+
+    keys = _journal_keys(args, out)
+    if keys is None:
+        return EXIT_USAGE
+    try:
+        report = verify_file(Path(args.file), keys=keys)
+    except JournalError as exc:
+        return out.error(str(exc), EXIT_USAGE)
+    data = msgspec.to_builtins(report)
+    if isinstance(report, ExportReport):
+        trust = (
+            "" if report.key_trusted else " (checked with the file's own key: pass --public-key)"
+        )
+        if report.ok:
+            out.result(
+                f"export intact: {report.entries} entries ({report.first_seq}.."
+                f"{report.last_seq}), signed by {report.key}{trust}",
+                data,
+            )
+            return EXIT_OK
+        message = f"export TAMPERED: {report.problem}"
+    else:
+        trust = (
+            " (checked with the file's own key: pass --public-key)" if report.keys_from_file else ""
+        )
+        if report.ok:
+            out.result(
+                f"backup intact: {report.entries} entries ({report.first_seq}.."
+                f"{report.head_seq}), head {report.head_hash}, key "
+                f"{', '.join(report.keys)}{trust}",
+                data,
+            )
+            return EXIT_OK
+        assert report.problem is not None
+        problem = report.problem
+        message = f"backup TAMPERED at entry {problem.seq} ({problem.kind}): {problem.detail}"
+    if out.as_json:
+        print(json.dumps(data), flush=True)
+    else:
+        print(f"appliancectl: {message}", file=sys.stderr, flush=True)
+    return EXIT_TAMPERED
+
+
+def cmd_journal_prune(args: argparse.Namespace, out: _Output) -> int:
+    body = {"keep_days": args.keep_days, "keep_bytes": args.keep_bytes, "dry_run": args.dry_run}
+    code, report = _admin(args, out, "POST", "/v1/journal/prune", body)
+    if code:
+        return EXIT_TAMPERED if code == EXIT_CONFLICT else code
+    verb = "would remove" if report["dry_run"] else "removed"
+    out.result(
+        f"{verb} {report['removed']} entries (through {report['through_seq']}; "
+        f"{report['reason']}); the journal starts at {report['first_seq']}; "
+        f"{report['bytes_before']} -> {report['bytes_after']} bytes in {report['seconds']:.1f} s",
+        report,
+    )
+    return EXIT_OK
+
+
+def cmd_journal_backup(args: argparse.Namespace, out: _Output) -> int:
+    path = os.path.abspath(args.file)
+    code, report = _admin(args, out, "POST", "/v1/journal/backup", {"path": path})
+    if code:
+        return code
+    out.result(
+        f"{report['path']}: {report['entries']} entries ({report['first_seq']}.."
+        f"{report['head_seq']}), head {report['head_hash']}, signed by {report['key']}",
+        report,
+    )
+    return EXIT_OK
+
+
+def cmd_journal_restore(args: argparse.Namespace, out: _Output) -> int:
+    """Offline: applianced must be stopped (the state directory's lock says whether it runs)."""
+    import msgspec
+
+    from appliance.credstore.errors import CredStoreError
+    from appliance.daemon.errors import DaemonError
+    from appliance.journal import JournalError
+    from appliance.journal.backup import restore
+    from appliance.journal.signing import KEY_FILE, load_signer
+
+    keys = _journal_keys(args, out)
+    if keys is None:
+        return EXIT_USAGE
+    try:
+        config = _daemon_config(args)
+    except DaemonError as exc:
+        return out.error(str(exc), EXIT_USAGE)
+    state = Path(config.daemon.state_dir)
+    key_file = Path(config.journal.key_file or state / KEY_FILE)
+    try:
+        own = (load_signer(key_file, create=False).public,) if key_file.exists() else ()
+        trusted = (
+            *keys,
+            *own,
+            *(k.lower().removeprefix("ed25519:") for k in config.journal.trusted_keys),
+        )
+        report = restore(
+            Path(args.file),
+            state / "journal.db",
+            keys=trusted,
+            lock_path=state / "applianced.lock",
+            force=args.force,
+        )
+    except (JournalError, CredStoreError, OSError) as exc:
+        return out.error(str(exc), EXIT_FAILURE)
+    kept = f"; the journal it replaced is {report.replaced}" if report.replaced else ""
+    out.result(
+        f"{report.path}: restored {report.entries} entries ({report.first_seq}.."
+        f"{report.head_seq}) from {report.source}, verified{kept}",
+        msgspec.to_builtins(report),
+    )
+    return EXIT_OK
+
+
 def cmd_journal_verify(args: argparse.Namespace, out: _Output) -> int:
+    if args.file:
+        return cmd_journal_verify_file(args, out)
     code, report = _admin(args, out, "GET", "/v1/journal/verify")
     if code:
         return code
     problem = report.get("problem")
     if problem is None:
+        cut = ""
+        if report.get("checkpoint"):
+            checkpoint = report["checkpoint"]
+            cut = (
+                f"; starts at {report['first_seq']} (entries {checkpoint['removed_from_seq']}.."
+                f"{checkpoint['removed_through_seq']} removed by retention, signed checkpoint "
+                f"{checkpoint['seq']})"
+            )
+        keys = report.get("keys") or ["-"]
         out.result(
             f"journal intact: {report['entries']} entries, head {report['head_seq']} "
-            f"{report['head_hash']} (anchor at {report['anchor_seq']})",
+            f"{report['head_hash']} (anchor at {report['anchor_seq']}){cut}; journal key "
+            f"{keys[0]}",
             {**report},
         )
         return EXIT_OK
@@ -880,14 +1030,42 @@ def _add_admin_parsers(commands: Any) -> None:
     search.add_argument("query")
     search.add_argument("-n", type=int, default=50, help="at most this many (default 50)")
     search.set_defaults(func=cmd_journal_search)
-    export = leaf(journals.add_parser("export", help="every entry as JSON lines, to stdout"))
+    export = leaf(journals.add_parser("export", help="a signed export as JSON lines, to stdout"))
     export.add_argument(
         "--jsonl", action="store_true", required=True, help="JSON lines (the only format)"
     )
+    export.add_argument("--since", help="entries from then on: epoch seconds, ISO 8601, or 7d")
+    export.add_argument("--until", help="entries before then (same forms)")
+    export.add_argument("--crew", help="only this crew's entries")
     export.set_defaults(func=cmd_journal_export)
-    leaf(
+    verify = leaf(
         journals.add_parser("verify", help="check the hash chain; exit 6 naming the entry if not")
-    ).set_defaults(func=cmd_journal_verify)
+    )
+    verify.add_argument("--file", help="offline: a backup or an export instead of the live journal")
+    verify.add_argument(
+        "--public-key",
+        action="append",
+        default=[],
+        help="the appliance's journal key (64 hex digits) to trust (repeatable)",
+    )
+    verify.set_defaults(func=cmd_journal_verify)
+    prune = leaf(journals.add_parser("prune", help="apply retention now (signed checkpoint)"))
+    prune.add_argument("--keep-days", type=float, help="remove entries older than this")
+    prune.add_argument(
+        "--keep-bytes", type=parse_size, help="remove the oldest entries beyond this size (1g)"
+    )
+    prune.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    prune.set_defaults(func=cmd_journal_prune)
+    backup = leaf(journals.add_parser("backup", help="a consistent, signed copy while it runs"))
+    backup.add_argument("file")
+    backup.set_defaults(func=cmd_journal_backup)
+    restore = leaf(journals.add_parser("restore", help="replace the journal (applianced stopped)"))
+    restore.add_argument("file")
+    restore.add_argument("--force", action="store_true", help="replace an existing journal")
+    restore.add_argument(
+        "--public-key", action="append", default=[], help="also trust this key (repeatable)"
+    )
+    restore.set_defaults(func=cmd_journal_restore)
 
     net = commands.add_parser("net", help="the crews' networks")
     nets = net.add_subparsers(dest="net_command", required=True)

@@ -150,7 +150,9 @@ def test_journal_records_crews_runs_and_proxy_decisions(
 
     exported = app.ctl("journal", "export", "--jsonl")
     assert exported.returncode == 0
-    lines = [json.loads(line) for line in exported.stdout.splitlines()]
+    # A signed export: a header line, the rows, a signed end line (docs/journal.md, "Export").
+    header, *lines, end = [json.loads(line) for line in exported.stdout.splitlines()]
+    assert "export" in header and "export_end" in end
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     verified = app.ctl("journal", "verify")
     assert verified.returncode == 0 and "journal intact" in verified.stdout

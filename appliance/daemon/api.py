@@ -19,9 +19,12 @@ One request per connection (`Connection: close`): appliancectl opens a connectio
                                        (appliance/daemon/credentials.py; values only in bodies)
     GET    /v1/journal?n=&crew=&type=&after=   {"entries": [journal Row...]}, oldest first
     GET    /v1/journal/search?q=&n=    {"entries": [...]} (FTS5 MATCH over summary and payload)
-    GET    /v1/journal/export          200, chunked JSON lines: every Row in seq order
+    GET    /v1/journal/export?since=&until=&crew=   200, chunked JSON lines: a signed export
+                                       (appliance/journal/export.py: header, Rows, signed end)
     GET    /v1/journal/verify          journal VerifyReport (200 whether or not it is ok)
     GET    /metrics                    Prometheus text exposition (appliance/daemon/metrics.py)
+    POST   /v1/journal/prune           PruneRequest -> PruneReport (409 tampered: nothing removed)
+    POST   /v1/journal/backup          {"path": absolute} -> BackupReport (a signed copy)
 
 Errors are `{"error": code, "message": text}` with the status the error class carries
 (errors.py): 400 invalid (names the argument), 404 not_found, 409 exists/conflict, 503
@@ -235,6 +238,9 @@ class AdminServer:
         if parts == ["status"]:
             only("GET")
             return _Reply(200, await self.daemon.status())
+        if parts[0] == "journal" and parts[1:] in (["prune"], ["backup"]):
+            only("POST")
+            return await self._journal_maintenance(parts[1], body)
         if parts[0] == "journal":
             only("GET")
             return await self._journal(parts[1:], target, stream, conn)
@@ -280,7 +286,7 @@ class AdminServer:
     async def _journal(
         self, parts: list[str], target: str, stream: trio.SocketStream, conn: h11.Connection
     ) -> _Reply | None:
-        from appliance.journal import JournalError, store
+        from appliance.journal import JournalError
 
         journal = self.daemon.journal
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
@@ -318,13 +324,45 @@ class AdminServer:
                 )
                 return _Reply(200, {"entries": rows})
             if parts == ["verify"]:
-                return _Reply(200, await trio.to_thread.run_sync(journal.verify))
+                lifecycle = self.daemon.journal_lifecycle
+                return _Reply(200, await trio.to_thread.run_sync(lifecycle.verify))
         except JournalError as exc:
             raise InvalidRequest(str(exc)) from None
         if parts == ["export"]:
-            await self._stream_export(stream, conn, store.export(journal.path))
+            from appliance.journal.export import ExportFilter
+
+            def seconds(name: str) -> float | None:
+                text = arg(name)
+                try:
+                    return None if text is None else float(text)
+                except ValueError:
+                    raise InvalidRequest(f"argument {name}: {text!r} is not a time") from None
+
+            where = ExportFilter(since=seconds("since"), until=seconds("until"), crew=arg("crew"))
+            lines = await trio.to_thread.run_sync(self.daemon.journal_lifecycle.export, where)
+            await self._stream_export(stream, conn, lines)
             return None
         raise _NotFound(f"no such endpoint: /v1/journal/{'/'.join(parts)}")
+
+    async def _journal_maintenance(self, action: str, body: bytes) -> _Reply:
+        """POST /v1/journal/prune (PruneRequest -> PruneReport; 409 `tampered` if what it would
+        remove does not verify) and /v1/journal/backup ({"path": absolute} -> BackupReport)."""
+        from appliance.journal import JournalError
+        from appliance.journal.retention import JournalTampered, PruneRequest
+
+        lifecycle = self.daemon.journal_lifecycle
+        try:
+            if action == "prune":
+                request = _decode(body, PruneRequest)
+                return _Reply(200, await trio.to_thread.run_sync(lifecycle.prune, request))
+            path = _decode(body, dict[str, str]).get("path")
+            if not path:
+                raise InvalidRequest("argument path: give the backup file")
+            return _Reply(200, await trio.to_thread.run_sync(lifecycle.backup, path))
+        except JournalTampered as exc:
+            return _Reply(409, {"error": "tampered", "message": str(exc)})
+        except (JournalError, ValueError) as exc:
+            raise InvalidRequest(str(exc)) from None
 
     async def _stream_export(
         self, stream: trio.SocketStream, conn: h11.Connection, rows: Iterator[Any]
@@ -340,7 +378,10 @@ class AdminServer:
             page = await trio.to_thread.run_sync(lambda: list(itertools.islice(rows, 1000)))
             if not page:
                 break
-            data = b"".join(messages.encoder.encode(row) + b"\n" for row in page)
+            data = b"".join(
+                row if isinstance(row, bytes) else messages.encoder.encode(row) + b"\n"
+                for row in page
+            )
             await stream.send_all(conn.send(h11.Data(data=data)))
         await stream.send_all(conn.send(h11.EndOfMessage()))
 

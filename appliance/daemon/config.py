@@ -137,6 +137,21 @@ class MetricsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = ""
 
 
+class JournalSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Retention (docs/journal.md, "Retention"): entries older than keep_days, and the oldest
+    # entries while journal.db is over keep_bytes, are removed behind a signed checkpoint every
+    # prune_interval seconds; 0: no limit of that kind (the default: nothing is ever removed).
+    keep_days: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    keep_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    prune_interval: Annotated[float, msgspec.Meta(ge=1)] = 3600.0
+    # The Ed25519 key that signs checkpoints, exports and backups. None:
+    # <state_dir>/journal.key (created 0600 at first start).
+    key_file: str | None = None
+    # Public keys (64 hex digits) of retired journal keys, still trusted for what they signed
+    # (docs/operations.md, "Rotating the journal key").
+    trusted_keys: tuple[str, ...] = ()
+
+
 class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     daemon: DaemonSection = DaemonSection()
     images: ImagesSection = ImagesSection()
@@ -147,6 +162,7 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The keeper's gatekeeper model (docs/keeper.md): model, url, timeout_seconds.
     keeper: GatekeeperConfig = GatekeeperConfig()
     metrics: MetricsSection = MetricsSection()
+    journal: JournalSection = JournalSection()
 
     @property
     def max_cpus(self) -> float:
@@ -215,6 +231,14 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
         value = getattr(config.credentials, key)
         if value is not None and not os.path.isabs(value):
             raise fail(f"credentials.{key}", "must be an absolute path")
+    if config.journal.key_file is not None and not os.path.isabs(config.journal.key_file):
+        raise fail("journal.key_file", "must be an absolute path")
+    for key in config.journal.trusted_keys:
+        # (the form appliance.journal.signing.parse_public_key takes; checked here without
+        # importing the crypto library into every appliancectl command)
+        digits = key.strip().lower().removeprefix("ed25519:")
+        if len(digits) != 64 or digits.strip("0123456789abcdef"):
+            raise fail("journal.trusted_keys", f"{key!r} is not a public key (64 hex digits)")
     if AGENT_UID in (config.proxy.uid, config.proxy.gid):
         raise fail(
             "proxy.uid",

@@ -35,6 +35,7 @@ import trio
 from appliance.credstore import CredentialStore, load_key
 from appliance.journal import Journal
 from appliance.journal.recorder import JournalRecorder
+from appliance.journal.service import JournalLifecycle, open_lifecycle
 from appliance.keeper.channel import KeeperChannel, new_token
 from appliance.keeper.service import KeeperService
 from appliance.logs import setup as setup_logging
@@ -116,6 +117,7 @@ class Daemon:
         self.proxy: ProxyPool
         self.journal: Journal
         self.recorder: JournalRecorder
+        self.journal_lifecycle: JournalLifecycle
         self.credentials_api: CredentialsApi
         self.metrics: DaemonMetrics
 
@@ -180,6 +182,18 @@ class Daemon:
             journal, on_backpressure=self._audit_paused, observer=self.metrics.traffic
         )
         try:
+            # Retention, signed exports and backups (docs/journal.md); the key is created 0600
+            # at first start.
+            section_j = self.config.journal
+            self.journal_lifecycle = open_lifecycle(
+                journal,
+                self.state_dir,
+                key_file=section_j.key_file,
+                trusted_keys=section_j.trusted_keys,
+                keep_days=section_j.keep_days,
+                keep_bytes=section_j.keep_bytes,
+                prune_interval=section_j.prune_interval,
+            )
             self.networks = networks
             self.journal = journal
             self.recorder = recorder
@@ -233,6 +247,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 await nursery.start(keeper.serve, self.proxy.drop_to)
                 await nursery.start(recorder.watch_backpressure)
+                await nursery.start(self.journal_lifecycle.keep_pruned)
                 await nursery.start(self.proxy.run)
                 self.reconcile_changes = tuple(await self.crews.reconcile())
                 # Filled in the background: a create before a slot is ready builds its own.

@@ -1,21 +1,9 @@
 """The tamper-evident, append-only journal (docs/journal.md)."""
 
 from . import entries
-from .store import (
-    Journal,
-    JournalClosed,
-    JournalError,
-    JournalFull,
-    Problem,
-    Row,
-    Ticket,
-    VerifyReport,
-    chain_hash,
-    export,
-    search,
-    tail,
-    verify,
-)
+from .rows import JournalError, Row, chain_hash, export, search, tail
+from .store import Journal, JournalClosed, JournalFull, Ticket
+from .verify import Problem, VerifyReport, verify, verify_file
 
 __all__ = [
     "Journal",
@@ -32,4 +20,5 @@ __all__ = [
     "search",
     "tail",
     "verify",
+    "verify_file",
 ]

@@ -356,6 +356,36 @@ class CrewFailed(Entry, frozen=True, tag="crew.failed"):
         return f"crew failed: {self.error}"
 
 
+class Checkpoint(Entry, frozen=True, tag="journal.checkpoint"):
+    """Written by the journal itself where retention cut off its oldest entries
+    (appliance/journal/retention.py): what was removed, and the chain's head when it was cut,
+    signed with applianced's journal key (Ed25519, appliance/journal/signing.py). A verifier
+    holding the public key accepts a journal that starts after seq 1 only if such a
+    checkpoint accounts for the missing entries (docs/journal.md, "Retention")."""
+
+    removed_from_seq: int
+    removed_through_seq: int
+    removed_through_hash: str  # the hash of the last entry removed: the next entry links to it
+    removed_entries: int
+    removed_oldest_ts: float
+    removed_newest_ts: float
+    reason: str
+    head_seq: int  # this entry's seq - 1 ...
+    head_hash: str  # ... and its prev_hash: the signature covers the chain up to here
+    key: str  # the Ed25519 public key, 64 hex digits
+    signature: str = ""  # Ed25519 over signing.checkpoint_message(): this entry, signature ""
+
+    def summary(self) -> str:
+        def day(ts: float) -> str:
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+
+        return (
+            f"checkpoint: entries {self.removed_from_seq}..{self.removed_through_seq} removed "
+            f"({self.removed_entries}, {day(self.removed_oldest_ts)} to "
+            f"{day(self.removed_newest_ts)} UTC; {self.reason})"
+        )
+
+
 class Redacted(Entry, frozen=True, tag="journal.redacted"):
     """Stands in for an entry whose redaction left unreadable JSON (a secret with a quote)."""
 
@@ -388,6 +418,7 @@ AnyEntry = (
     | CrewCreated
     | CrewRemoved
     | CrewFailed
+    | Checkpoint
     | Redacted
 )
 
@@ -414,6 +445,7 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         CrewCreated,
         CrewRemoved,
         CrewFailed,
+        Checkpoint,
         Redacted,
     )
 }

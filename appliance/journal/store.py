@@ -19,22 +19,27 @@ loses only unacknowledged entries. While one batch is being fsync'd the next one
 the fsync cost is shared by every entry that arrived meanwhile (docs/journal.md has figures).
 
 Append-only is enforced twice: the API has no update or delete, and SQLite triggers RAISE on
-UPDATE and DELETE of `entries`. Tamper evidence: `verify()` recomputes the chain and reports the
-first entry (by sequence number) that was edited, deleted or moved; the anchor, kept outside the
+UPDATE of `entries`, and on DELETE of any entry that no `journal.checkpoint` entry names as
+removed. Tamper evidence: `verify()` (verify.py) recomputes the chain and reports the first
+entry (by sequence number) that was edited, deleted or moved; the anchor, kept outside the
 database file, catches a cut-off tail, which the chain alone cannot (docs/journal.md).
+
+Maintenance (retention.py: the signed checkpoint, deleting what it names, giving the space back)
+runs on the same writer thread as `run_job` steps: the writer alternates one batch of entries
+and one step, each step its own short transaction, so a prune of a million entries delays the
+recorder by one step at a time, never by the whole prune (docs/journal.md has the pauses).
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import sqlite3
-import struct
 import threading
-import zlib
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -42,8 +47,40 @@ from native.scrub import Scrubber
 from proxycore.protocol.scrubbing import scrub_json_lines
 
 from . import entries as E
+from .rows import (
+    CHECKPOINT_TYPE,
+    GENESIS,
+    JournalError,
+    Row,
+    anchor_record,
+    chain_hash,
+    checkpoint_rows,
+    connect,
+    export,
+    read_anchor,
+    search,
+    tail,
+    write_anchor_file,
+)
 
-GENESIS = "0" * 64
+__all__ = [  # what this module offered before rows.py held it
+    "CHECKPOINT_TYPE",
+    "GENESIS",
+    "Journal",
+    "JournalClosed",
+    "JournalError",
+    "JournalFull",
+    "Row",
+    "Ticket",
+    "anchor_record",
+    "chain_hash",
+    "checkpoint_rows",
+    "export",
+    "read_anchor",
+    "search",
+    "tail",
+    "write_anchor_file",
+]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -65,26 +102,33 @@ CREATE INDEX IF NOT EXISTS entries_type ON entries (type, seq);
 CREATE INDEX IF NOT EXISTS entries_trace ON entries (trace_id) WHERE trace_id IS NOT NULL;
 CREATE TRIGGER IF NOT EXISTS entries_no_update BEFORE UPDATE ON entries
 BEGIN SELECT RAISE(ABORT, 'the journal is append-only: UPDATE refused'); END;
-CREATE TRIGGER IF NOT EXISTS entries_no_delete BEFORE DELETE ON entries
-BEGIN SELECT RAISE(ABORT, 'the journal is append-only: DELETE refused'); END;
 CREATE VIRTUAL TABLE IF NOT EXISTS entries_fts USING fts5(
     summary, payload, content='entries', content_rowid='seq'
 );
 CREATE TRIGGER IF NOT EXISTS entries_fts_insert AFTER INSERT ON entries
 BEGIN INSERT INTO entries_fts (rowid, summary, payload) VALUES (new.seq, new.summary, new.payload);
 END;
+-- An external-content FTS5 table forgets a row only when told its old values.
+CREATE TRIGGER IF NOT EXISTS entries_fts_delete AFTER DELETE ON entries
+BEGIN INSERT INTO entries_fts (entries_fts, rowid, summary, payload)
+      VALUES ('delete', old.seq, old.summary, old.payload);
+END;
 -- (Journals written before the proxy's events came over channels also hold a `cursors` table,
 -- where the proxy's event file was read up to; nothing reads or writes it any more.)
 """
 
+# Only what a checkpoint (signed, retention.py) names as removed may be deleted. Journals from
+# before retention had an unconditional trigger; Journal() replaces it (_migrate).
+NO_DELETE = """
+CREATE TRIGGER entries_no_delete BEFORE DELETE ON entries
+WHEN old.seq > (SELECT COALESCE(MAX(json_extract(payload, '$.removed_through_seq')), 0)
+                FROM entries WHERE type = 'journal.checkpoint')
+BEGIN SELECT RAISE(ABORT, 'the journal is append-only: DELETE refused (no checkpoint names it)');
+END
+"""
+
 SYNCHRONOUS = ("FULL", "NORMAL", "OFF")
-# journal.head: magic, seq (u64), hash (32 bytes), crc32 of the preceding bytes.
-_ANCHOR = struct.Struct("<4sQ32sI")
-_ANCHOR_MAGIC = b"JHD1"
-
-
-class JournalError(Exception):
-    """Base of the journal's errors; never raised itself."""
+MAX_STEP_DELAY = 1.0  # seconds a maintenance step may be put off while entries are queued
 
 
 class JournalFull(JournalError):
@@ -93,6 +137,10 @@ class JournalFull(JournalError):
 
 class JournalClosed(JournalError):
     pass
+
+
+class JobCancelled(JournalError):
+    """The journal was closed before a maintenance job finished (it resumes at the next one)."""
 
 
 class Ticket:
@@ -125,52 +173,49 @@ class Ticket:
         return self.seq
 
 
-class Row(msgspec.Struct, frozen=True):
-    seq: int
-    ts: float
-    type: str
-    workspace: str
-    crew: str | None
-    agent: str | None
-    mission: str | None
-    trace_id: str | None
-    summary: str
-    payload: str
-    prev_hash: str
-    hash: str
+class Job:
+    """A maintenance job on the writer thread: a generator whose every step (up to a `yield`)
+    is one short transaction of its own; `wait()` returns what it returns. `pauses` are the
+    steps' durations: how long each kept the writer from the recorder's entries."""
 
+    __slots__ = ("_done", "error", "pauses", "result", "steps")
 
-class Problem(msgspec.Struct, frozen=True):
-    seq: int
-    kind: str  # edited | deleted | reordered | truncated | inserted
-    detail: str
+    def __init__(self, steps: Generator[None, None, Any]) -> None:
+        self.steps = steps
+        self._done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.pauses: list[float] = []
 
+    def _step(self) -> bool:
+        started = time.perf_counter()
+        try:
+            next(self.steps)
+        except StopIteration as stop:
+            self.result = stop.value
+            self._done.set()
+            return True
+        except BaseException as exc:  # a step's SQL failed: the caller learns it
+            self.error = exc
+            self._done.set()
+            return True
+        finally:
+            self.pauses.append(time.perf_counter() - started)
+        return False
 
-class VerifyReport(msgspec.Struct, frozen=True):
-    ok: bool
-    entries: int
-    head_seq: int
-    head_hash: str
-    anchor_seq: int | None
-    problem: Problem | None = None
+    def _cancel(self) -> None:
+        self.steps.close()
+        self.error = JobCancelled("the journal was closed before this job finished")
+        self._done.set()
 
-
-def chain_hash(prev_hash: str, seq: int, summary: str, payload: str) -> str:
-    digest = hashlib.sha256()
-    for part in (prev_hash, str(seq), summary, payload):
-        data = part.encode("utf-8", "surrogateescape")
-        digest.update(len(data).to_bytes(8, "big"))  # length-prefixed: no ambiguity at seams
-        digest.update(data)
-    return digest.hexdigest()
-
-
-def _connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
-    if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
-    else:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA busy_timeout = 5000")
-    return conn
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError("journal job not finished in time")
+        if self.error is not None:
+            if isinstance(self.error, JournalError):
+                raise self.error
+            raise JournalError(f"journal maintenance failed: {self.error}") from self.error
+        return self.result
 
 
 def _scope(entry: E.Entry) -> tuple[str, str | None, str | None, str | None, str | None]:
@@ -197,12 +242,14 @@ class Journal:
         self.max_batch = max_batch
         self.synchronous = synchronous
         self._queue: collections.deque[tuple[E.Entry, Ticket]] = collections.deque()
+        self._jobs: collections.deque[Job] = collections.deque()
+        self.maintenance = threading.Lock()  # one prune or restore-like job at a time
         self._cond = threading.Condition()
         self._closing = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         old = os.umask(0o077)  # the journal names every crew's traffic: owner only
         try:
-            self._conn = _connect(self.path)
+            self._conn = connect(self.path)
             self._anchor_fd = (
                 os.open(self.anchor_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                 if self.anchor_path is not None
@@ -210,9 +257,13 @@ class Journal:
             )
         finally:
             os.umask(old)
+        # Only a new file takes this (before its first table); an older journal keeps
+        # auto_vacuum=NONE until its first prune rebuilds it (retention.py).
+        self._conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         self._conn.execute("PRAGMA journal_mode = WAL")
         self._conn.execute(f"PRAGMA synchronous = {synchronous}")
         self._conn.executescript(SCHEMA)
+        _migrate(self._conn)
         last = self._conn.execute(
             "SELECT seq, hash FROM entries ORDER BY seq DESC LIMIT 1"
         ).fetchone()
@@ -231,6 +282,9 @@ class Journal:
     ) -> Ticket:
         """Queue an entry; never blocks. Raises JournalFull at capacity, JournalClosed after
         close()."""
+        if isinstance(entry, E.Checkpoint):
+            # Only retention writes checkpoints (signed, at the head it read): retention.py.
+            raise ValueError("a checkpoint is written by Journal.run_job, not submitted")
         ticket = Ticket(on_done)
         with self._cond:
             if self._closing:
@@ -258,6 +312,34 @@ class Journal:
         with self._cond:
             return self._queue[0][0].ts if self._queue else None
 
+    def run_job(self, make: Callable[[sqlite3.Connection], Generator[None, None, Any]]) -> Job:
+        """Queue a maintenance job: `make(write_connection)` is called on the writer thread and
+        its generator stepped between batches of entries (never inside one)."""
+        job = Job(self._job_steps(make))
+        with self._cond:
+            if self._closing:
+                raise JournalClosed("the journal is closed")
+            self._jobs.append(job)
+            self._cond.notify()
+        return job
+
+    def _job_steps(
+        self, make: Callable[[sqlite3.Connection], Generator[None, None, Any]]
+    ) -> Generator[None, None, Any]:
+        return (yield from make(self._conn))
+
+    def append_checkpoint(self, make: Callable[[int, str], E.Checkpoint]) -> int:
+        """On the writer thread only (a job's step): append the checkpoint `make(head_seq,
+        head_hash)` returns (signed) at the current head; its seq. Not scrubbed: it holds only
+        numbers, hashes and a key, all made here."""
+        entry = make(self._seq, self._hash)
+        if (entry.head_seq, entry.head_hash) != (self._seq, self._hash):
+            raise JournalError("a checkpoint must name the head it is appended to")
+        payload = E.encode(entry).decode("utf-8")
+        row = self._row(entry, CHECKPOINT_TYPE, payload, entry.summary(), self._seq + 1, self._hash)
+        self._commit([row])
+        return self._seq
+
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
         with self._cond:
@@ -272,23 +354,44 @@ class Journal:
     # -- the writer ------------------------------------------------------------------------
 
     def _writer(self) -> None:
+        last_step = 0.0
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._jobs and not self._closing:
                     self._cond.wait()
-                if not self._queue:
+                if self._closing and not self._queue:
+                    for abandoned in self._jobs:
+                        abandoned._cancel()
+                    self._jobs.clear()
                     return
                 batch = [
                     self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))
                 ]
-            try:
-                seqs = self._write_batch(batch)
-            except BaseException as exc:  # disk full, I/O error: every ticket learns it
-                for _, ticket in batch:
-                    ticket._finish(None, exc)
+                job = self._jobs[0] if self._jobs else None
+            if batch:
+                self._write_entries(batch)
+            if job is None:
                 continue
-            for (_, ticket), seq in zip(batch, seqs, strict=True):
-                ticket._finish(seq)
+            # Entries first: a step only once the queue is down to less than a batch, or at
+            # least once a second (so maintenance advances under any load); then the recorder
+            # waits for one step at a time, never for a whole prune.
+            now = time.monotonic()
+            if len(self._queue) >= self.max_batch and now - last_step < MAX_STEP_DELAY:
+                continue
+            last_step = now
+            if job._step():
+                with self._cond:
+                    self._jobs.popleft()
+
+    def _write_entries(self, batch: list[tuple[E.Entry, Ticket]]) -> None:
+        try:
+            seqs = self._write_batch(batch)
+        except BaseException as exc:  # disk full, I/O error: every ticket learns it
+            for _, ticket in batch:
+                ticket._finish(None, exc)
+            return
+        for (_, ticket), seq in zip(batch, seqs, strict=True):
+            ticket._finish(seq)
 
     def _prepare(self, entry: E.Entry) -> tuple[E.Entry, str, str]:
         """Scrubbed payload and summary; a payload the scrubber leaves unreadable is replaced
@@ -306,16 +409,26 @@ class Journal:
         summary = self.scrubber.scrub_text(scrubbed.summary())
         return scrubbed, payload.decode("utf-8", "surrogateescape"), summary
 
+    @staticmethod
+    def _row(
+        entry: E.Entry, tag: str, payload: str, summary: str, seq: int, prev: str
+    ) -> tuple[Any, ...]:
+        digest = chain_hash(prev, seq, summary, payload)
+        return (seq, entry.ts, tag, *_scope(entry), summary, payload, prev, digest)
+
     def _write_batch(self, batch: list[tuple[E.Entry, Ticket]]) -> list[int]:
         rows = []
         seq, prev = self._seq, self._hash
         for entry, _ in batch:
             scrubbed, payload, summary = self._prepare(entry)
             seq += 1
-            digest = chain_hash(prev, seq, summary, payload)
             tag = str(type(scrubbed).__struct_config__.tag)
-            rows.append((seq, scrubbed.ts, tag, *_scope(scrubbed), summary, payload, prev, digest))
-            prev = digest
+            rows.append(self._row(scrubbed, tag, payload, summary, seq, prev))
+            prev = rows[-1][-1]
+        self._commit(rows)
+        return [row[0] for row in rows]
+
+    def _commit(self, rows: list[tuple[Any, ...]]) -> None:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -324,18 +437,15 @@ class Journal:
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        self._seq, self._hash = seq, prev
-        self._write_anchor(seq, prev)
-        return [row[0] for row in rows]
+        self._seq, self._hash = rows[-1][0], rows[-1][-1]
+        self._write_anchor(self._seq, self._hash)
 
     def _write_anchor(self, seq: int, digest: str) -> None:
         if self._anchor_fd is None:
             return
-        body = _ANCHOR_MAGIC + seq.to_bytes(8, "little") + bytes.fromhex(digest)
-        record = _ANCHOR.pack(_ANCHOR_MAGIC, seq, bytes.fromhex(digest), zlib.crc32(body))
         # One pwrite of 48 bytes at offset 0: inside one sector, so never torn in practice;
         # the crc tells a torn one anyway.
-        os.pwrite(self._anchor_fd, record, 0)
+        os.pwrite(self._anchor_fd, anchor_record(seq, digest), 0)
         if self.synchronous == "FULL":
             os.fdatasync(self._anchor_fd)
 
@@ -357,192 +467,25 @@ class Journal:
     def export(self) -> Iterator[Row]:
         return export(self.path)
 
-    def verify(self) -> VerifyReport:
-        return verify(self.path, self.anchor_path)
+    def verify(self, keys: tuple[str, ...] = ()) -> Any:
+        """verify.verify() of this journal with its anchor; `keys`: the trusted public keys."""
+        from .verify import verify
+
+        return verify(self.path, self.anchor_path, keys=keys)
 
 
-class _reader:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> sqlite3.Connection:
-        if not self.path.exists():
-            raise JournalError(f"no journal at {self.path}")
-        self.conn = _connect(self.path, readonly=True)
-        return self.conn
-
-    def __exit__(self, *exc: object) -> None:
-        self.conn.close()
-
-
-_COLUMNS = (
-    "seq, ts, type, workspace, crew, agent, mission, trace_id, summary, payload, prev_hash, hash"
-)
-
-
-def _rows(cursor: sqlite3.Cursor) -> list[Row]:
-    return [Row(*r) for r in cursor]
-
-
-def tail(
-    path: Path, n: int = 20, *, crew: str | None = None, type: str | None = None, after: int = 0
-) -> list[Row]:
-    """Matching entries oldest first: the last `n`, or with `after` the first `n` after that seq
-    (what `tail -f` pages with, so a burst is never skipped)."""
-    where, args = ["seq > ?"], [after]
-    if crew is not None:
-        where.append("crew = ?")
-        args.append(crew)  # type: ignore[arg-type]
-    if type is not None:
-        # "run" matches every run.* type; "run.failed" only itself.
-        where.append("(type = ? OR type LIKE ?)")
-        args += [type, type + ".%"]  # type: ignore[list-item]
-    order = "ASC" if after else "DESC"
-    sql = f"SELECT {_COLUMNS} FROM entries WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"  # noqa: S608 (fixed clauses; values are bound)
-    with _reader(path) as conn:
-        rows = _rows(conn.execute(sql, (*args, n)))
-    return rows if after else rows[::-1]
-
-
-def search(path: Path, query: str, limit: int = 50) -> list[Row]:
-    """FTS5 MATCH over summary and payload, oldest first. A query FTS5 cannot parse is an error
-    naming it."""
-    with _reader(path) as conn:
-        try:
-            seqs = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT rowid FROM entries_fts WHERE entries_fts MATCH ? ORDER BY rowid DESC "
-                    "LIMIT ?",
-                    (query, limit),
-                )
-            ]
-        except sqlite3.OperationalError as exc:
-            raise JournalError(f"argument query: {query!r}: {exc}") from None
-        if not seqs:
-            return []
-        marks = ",".join("?" * len(seqs))
-        return _rows(
-            conn.execute(
-                f"SELECT {_COLUMNS} FROM entries WHERE seq IN ({marks}) ORDER BY seq",  # noqa: S608
-                seqs,
-            )
-        )
-
-
-def export(path: Path, batch: int = 1000) -> Iterator[Row]:
-    after = 0
-    while True:
-        with _reader(path) as conn:
-            rows = _rows(
-                conn.execute(
-                    f"SELECT {_COLUMNS} FROM entries WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
-                    (after, batch),
-                )
-            )
-        if not rows:
-            return
-        yield from rows
-        after = rows[-1].seq
-
-
-def read_anchor(path: Path) -> tuple[int, str] | None:
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Journals from before retention: the DELETE trigger becomes the conditional one."""
+    row = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'entries_no_delete'"
+    ).fetchone()
+    if row is not None and CHECKPOINT_TYPE in row[0]:
+        return
+    conn.execute("BEGIN IMMEDIATE")
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    if len(data) < _ANCHOR.size:
-        return None
-    magic, seq, digest, crc = _ANCHOR.unpack(data[: _ANCHOR.size])
-    if magic != _ANCHOR_MAGIC or zlib.crc32(data[: _ANCHOR.size - 4]) != crc:
-        raise JournalError(f"{path}: the head anchor is damaged")
-    return seq, digest.hex()
-
-
-def _seq_of_hash(path: Path, digest: str) -> int | None:
-    with _reader(path) as conn:
-        row = conn.execute("SELECT seq FROM entries WHERE hash = ?", (digest,)).fetchone()
-    return int(row[0]) if row else None
-
-
-def verify(path: Path, anchor_path: Path | None = None) -> VerifyReport:
-    """Walk the chain in seq order; report the first problem by sequence number.
-
-    - edited: the row's hash is not sha256(prev, seq, summary, payload), or its columns do not
-      match its payload (someone rewrote a column the hash does not cover directly);
-    - deleted: a seq is missing (or prev_hash links to a hash that is not the previous row's);
-    - reordered: a row's prev_hash is the hash of another row than its predecessor;
-    - truncated: the anchor names a seq beyond the last row, or a hash that row does not have.
-    """
-    anchor = read_anchor(anchor_path) if anchor_path is not None else None
-    expected_seq, prev = 1, GENESIS
-    count = 0
-    head_hash = GENESIS
-    problem: Problem | None = None
-    anchor_row_hash: str | None = None
-    for row in export(path):
-        count += 1
-        if row.seq != expected_seq:
-            problem = Problem(
-                expected_seq, "deleted", f"entry {expected_seq} is missing (next is {row.seq})"
-            )
-            break
-        if row.prev_hash != prev:
-            moved = _seq_of_hash(path, row.prev_hash)
-            if moved is not None:
-                problem = Problem(
-                    row.seq,
-                    "reordered",
-                    f"entry {row.seq} links to the entry now at {moved}, not to {row.seq - 1}",
-                )
-            else:
-                # The predecessor's hash checked out on its own, so it was rewritten together
-                # with its hash; or this entry's link itself was edited.
-                problem = Problem(
-                    row.seq - 1,
-                    "edited",
-                    f"entry {row.seq - 1} was rewritten: entry {row.seq} links to another hash",
-                )
-            break
-        if chain_hash(row.prev_hash, row.seq, row.summary, row.payload) != row.hash:
-            problem = Problem(
-                row.seq, "edited", f"entry {row.seq}: content does not match its hash"
-            )
-            break
-        try:
-            entry = E.decode(row.payload)
-        except msgspec.DecodeError as exc:
-            problem = Problem(row.seq, "edited", f"entry {row.seq}: payload unreadable: {exc}")
-            break
-        columns = (row.ts, row.type, row.workspace, row.crew, row.agent, row.mission, row.trace_id)
-        tag = str(type(entry).__struct_config__.tag)
-        if columns != (entry.ts, tag, *_scope(entry)):
-            problem = Problem(
-                row.seq, "edited", f"entry {row.seq}: columns differ from its payload"
-            )
-            break
-        if anchor is not None and row.seq == anchor[0]:
-            anchor_row_hash = row.hash
-        prev, head_hash = row.hash, row.hash
-        expected_seq += 1
-    head_seq = expected_seq - 1
-    if problem is None and anchor is not None:
-        anchor_seq, anchor_hash = anchor
-        if anchor_seq > head_seq:
-            problem = Problem(
-                head_seq + 1,
-                "truncated",
-                f"the anchor names entry {anchor_seq}; the journal ends at {head_seq}",
-            )
-        elif anchor_row_hash != anchor_hash:
-            problem = Problem(
-                anchor_seq, "edited", f"entry {anchor_seq} does not have the anchored hash"
-            )
-    return VerifyReport(
-        ok=problem is None,
-        entries=count,
-        head_seq=head_seq,
-        head_hash=head_hash,
-        anchor_seq=anchor[0] if anchor else None,
-        problem=problem,
-    )
+        conn.execute("DROP TRIGGER IF EXISTS entries_no_delete")
+        conn.execute(NO_DELETE)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
