@@ -116,7 +116,7 @@ def run_preflight(
         found.problem(
             "daemon.provider",
             f"{config.daemon.provider}: {engine_error or 'not available'}; start the engine "
-            "(systemctl start docker, or scripts/setup-host on a machine without an init system)",
+            "(systemctl start docker, or scripts/install on a machine without an init system)",
         )
     else:
         _runtime(config, provider, found)
@@ -190,7 +190,7 @@ def _runtime(config: ApplianceConfig, provider: RuntimeProvider, found: _Collect
     available = [name for name, state in status.items() if state == "available"]
     why = status.get(runtime, "not registered in the engine")
     hint = (
-        "; install runsc and register it in /etc/docker/daemon.json (scripts/setup-host, or "
+        "; install runsc and register it in /etc/docker/daemon.json (scripts/install, or "
         "ansible/ does both)"
         if runtime == "runsc"
         else ""
