@@ -365,19 +365,14 @@ def _worker_line(worker: dict[str, Any]) -> str:
 def cmd_doctor(args: argparse.Namespace, out: _Output) -> int:
     import msgspec
 
-    from appliance.daemon.doctor import run_checks
+    from appliance.daemon.doctor import format_report, run_checks
 
     try:
         config = _daemon_config(args)
     except Exception as exc:
         return out.error(str(exc), EXIT_USAGE)
     report = run_checks(config)
-    lines = [
-        f"{'ok  ' if c.ok else ('FAIL' if c.required else 'no  ')} {c.name}: {c.detail}"
-        for c in report.checks
-    ]
-    lines.append("all required checks passed" if report.ok else "a required check failed")
-    out.result("\n".join(lines), msgspec.to_builtins(report))
+    out.result(format_report(report), msgspec.to_builtins(report))
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
