@@ -15,7 +15,7 @@ import pytest
 
 from appliance.daemon.config import parse_config
 from appliance.daemon.errors import ConfigInvalid
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs
 from tests.daemon_support import needs_root_and_docker
 
 CTL = [sys.executable, "-m", "appliance.cli"]
@@ -209,3 +209,23 @@ def test_a_good_configuration_passes_with_what_was_checked(tmp_path: Path) -> No
     report = json.loads(done.stdout)
     assert done.returncode == 0 and report["ok"] is True and report["problems"] == []
     assert report["file"] == str(path) and "the admin socket" in report["checked"]
+
+
+def test_a_missing_credential_file_is_named_even_when_the_engine_is_down(tmp_path: Path) -> None:
+    """The engine coming back would not fix it: exit 2 (no restart), not 1 (restart loop)."""
+    if os.geteuid() != 0:
+        pytest.skip(needs("root"))
+    missing = tmp_path / "anthropic.key"
+    path = tmp_path / "appliance.toml"
+    path.write_text(
+        isolated(tmp_path) + f'[proxy.providers.anthropic]\ncredential_file = "{missing}"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+    env["DOCKER_HOST"] = f"unix://{tmp_path / 'no-engine.sock'}"
+    for argv in ([*DAEMON, "--config", str(path)], [*CTL, "up", "--config", str(path)]):
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env, check=False
+        )
+        assert_clean_failure(done, path, "proxy.providers.anthropic.credential_file")
+        assert "daemon.provider" not in done.stderr
+    assert not (tmp_path / "state").exists()

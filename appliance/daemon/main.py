@@ -363,7 +363,21 @@ def run_daemon(config: ApplianceConfig, *, source: str = "<config>") -> int:
     notifier = Notifier()
     try:
         notifier.status("starting: the engine and the configuration")
-        provider = load_provider(config)
+        try:
+            provider = load_provider(config)
+        except ConfigInvalid:
+            raise
+        except Exception as exc:
+            # An engine that does not answer may come back (exit 1, the unit retries); a
+            # missing credential file will not: say so now rather than after the engine.
+            report = run_preflight(config, source, provider=None, engine_error=str(exc))
+            problems = [p for p in report.problems if p.key != "daemon.provider"]
+            for problem in problems:
+                print(f"applianced: {problem}", file=sys.stderr, flush=True)
+            if problems:
+                notifier.status(f"configuration: {problems[0]}")
+                return EXIT_CONFIG_INVALID
+            raise
         report = run_preflight(config, source, provider=provider, starting=True)
         if not report.ok:
             for problem in report.problems:
