@@ -1,9 +1,13 @@
 # The two commands the README opens with:
-#   make demo   set up (a virtualenv with the project) and run the scripted tour
+#   make demo   set this host up (scripts/install: Debian packages, a virtualenv with the
+#               project's runtime dependencies only, dockerd, runsc, the images), then the tour
 #   make test   lint, types, the whole test suite, bounded fuzz runs, the C under ASan+UBSan
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+export PYTHON VENV
+# The tour needs root (the engine, network namespaces, nftables); scripts/install asks sudo itself.
+AS_ROOT := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # A smoke run in CI (20 minutes in all, on a fresh machine); longer campaigns: FUZZ_RUNS=N.
 FUZZ_RUNS ?= 10000
 FUZZ_RUNS_SLOW ?= 800
@@ -17,14 +21,13 @@ NATIVE_SRC := $(wildcard native/src/*.c native/src/*.h) native/_build_headscan.p
 	native/_build_scrub.py
 NATIVE_LIB := native/.built
 
-.PHONY: demo engine images test install native native-sanitize lint types unit fuzz-smoke bench clean
+.PHONY: demo setup engine images test install native native-sanitize lint types unit fuzz-smoke bench clean
 
 install: $(VENV)/.installed $(NATIVE_LIB)
 
+# The virtualenv with the development dependencies (no root needed for this step).
 $(VENV)/.installed: pyproject.toml setup.py
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	scripts/install --dev --only venv
 	touch $@
 
 # The C extensions, in place (an editable install does not rebuild them when the C changes).
@@ -33,18 +36,25 @@ $(NATIVE_LIB): $(VENV)/.installed $(NATIVE_SRC)
 	$(BIN)/python -m native.build
 	touch $@
 
-# The base, infra and agent images, built locally (debootstrap, npm, docker import); a tag that
-# already exists for the recipe's hash is a cache hit. See images/README.md.
+# Everything `make demo` sets up, and no tour.
+setup:
+	scripts/install
+
 # A Docker engine answering on /var/run/docker.sock, runsc registered: started when nothing
 # answers (machines without an init system: development, CI). An operator's host runs its own.
 engine: install
-	$(BIN)/python -c 'from appliance.runtime.engine import ensure_dockerd; ensure_dockerd()'
+	scripts/install --only engine
 
+# The base, infra and agent images, built locally (debootstrap, npm, docker import); a tag that
+# already exists for the recipe's hash is a cache hit. See images/README.md.
 images: install engine
-	$(BIN)/python -m images.build
+	scripts/install --only images
 
-demo: install images
-	$(BIN)/appliancectl demo
+# One script sets the host up (idempotent: a second run takes about a second); the tour needs
+# no development dependency.
+demo:
+	scripts/install
+	$(AS_ROOT) $(BIN)/appliancectl demo
 
 test: install lint types images unit fuzz-smoke native-sanitize
 

@@ -284,9 +284,10 @@ def cmd_up(args: argparse.Namespace, out: _Output) -> int:
         return out.error("applianced needs root (netlink, nftables, the engine)", EXIT_FAILURE)
     if args.detach:
         return _up_detached(args, config, out)
+    from appliance.daemon.config import config_file
     from appliance.daemon.main import run_daemon
 
-    return run_daemon(config)
+    return run_daemon(config, source=config_file(args.config) or "<defaults>")
 
 
 def _up_detached(args: argparse.Namespace, config: Any, out: _Output) -> int:
@@ -383,20 +384,23 @@ def _worker_line(worker: dict[str, Any]) -> str:
 def cmd_doctor(args: argparse.Namespace, out: _Output) -> int:
     import msgspec
 
-    from appliance.daemon.doctor import run_checks
+    from appliance.daemon.doctor import format_report, run_checks
 
     try:
         config = _daemon_config(args)
     except Exception as exc:
         return out.error(str(exc), EXIT_USAGE)
     report = run_checks(config)
-    lines = [
-        f"{'ok  ' if c.ok else ('FAIL' if c.required else 'no  ')} {c.name}: {c.detail}"
-        for c in report.checks
-    ]
-    lines.append("all required checks passed" if report.ok else "a required check failed")
-    out.result("\n".join(lines), msgspec.to_builtins(report))
+    out.result(format_report(report), msgspec.to_builtins(report))
     return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+def cmd_config_check(args: argparse.Namespace, out: _Output) -> int:
+    """The checks applianced makes at start (appliance/daemon/preflight.py), and nothing else:
+    0 valid, 2 not (each problem on stderr, naming the file, the key and the reason)."""
+    from appliance.daemon.main import check_file
+
+    return check_file(args.config, as_json=out.as_json, prog="appliancectl")
 
 
 def _crew_line(crew: dict[str, Any]) -> str:
@@ -975,6 +979,14 @@ def _add_admin_parsers(commands: Any) -> None:
     leaf(
         commands.add_parser("doctor", help="check that this host can run the appliance")
     ).set_defaults(func=cmd_doctor)
+
+    config = commands.add_parser("config", help="applianced's configuration")
+    configs = config.add_subparsers(dest="config_command", required=True)
+    leaf(
+        configs.add_parser(
+            "check", help="check the configuration and this host against it (0 valid, 2 not)"
+        )
+    ).set_defaults(func=cmd_config_check)
 
     crew = commands.add_parser("crew", help="manage crews")
     crews = crew.add_subparsers(dest="crew_command", required=True)

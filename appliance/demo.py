@@ -37,7 +37,6 @@ import shlex
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.demo_tls import server_context
 from appliance.demo_upstream import FakeServer, start_fake
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER
 
@@ -130,17 +130,6 @@ def _unrouted_pool() -> str:
         if f"{prefix}." not in routes:
             return f"{prefix}.0/24"
     raise CheckFailed("no free /24 in 100.80.0.0-100.119.255.255 on this host")
-
-
-def _tls_for(host: str, workdir: Path) -> tuple[ssl.SSLContext, Path]:
-    import trustme
-
-    ca = trustme.CA()
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(host).configure_cert(context)
-    ca_path = workdir / "demo-ca.pem"
-    ca.cert_pem.write_to_path(str(ca_path))
-    return context, ca_path
 
 
 class _Listener:
@@ -447,7 +436,7 @@ def _tour(tour: Tour, app: DemoAppliance) -> FakeServer:
         tour.say(f"agent {images.agent}, infra {images.infra} (built locally, never pulled)")
 
     with tour.step("fake provider (real TLS on 127.0.0.1, a throw-away CA)"):
-        tls, ca_file = _tls_for(PROVIDER_HOST, app.workdir)
+        tls, ca_file = server_context(PROVIDER_HOST, app.workdir)
         upstream = start_fake(tls_context=tls)
         tour.say(f"https://{PROVIDER_HOST}:{upstream.port} plays Anthropic's Messages API")
 

@@ -202,6 +202,8 @@ def parse_config(text: str | bytes, *, source: str = "<config>") -> ProxyConfig:
         raise ConfigError(f"{source}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec.toml decodes bytes itself; TOML is UTF-8
+        raise ConfigError(f"{source}: not UTF-8 (byte {exc.start}): TOML is UTF-8") from None
     validate(config, source=source)
     return config
 

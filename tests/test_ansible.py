@@ -140,8 +140,12 @@ def test_rendered_config_parses_with_the_defaults_of_the_role(rendered: Path) ->
 def test_rendered_unit(rendered: Path) -> None:
     unit = (rendered / "applianced.service").read_text()
     lines = {line.strip() for line in unit.splitlines()}
-    appliancectl = Path(sys.prefix) / "bin" / "appliancectl"
-    assert f"ExecStart={appliancectl} up --config /etc/agent-appliance/appliance.toml" in lines
+    applianced = Path(sys.prefix) / "bin" / "applianced"
+    assert f"ExecStart={applianced} --config /etc/agent-appliance/appliance.toml" in lines
+    # sd_notify (appliance/daemon/notify.py): ready when serving, a watchdog, no restart for a
+    # configuration this host cannot run (exit 2).
+    assert {"Type=notify", "NotifyAccess=main", "RestartPreventExitStatus=2"} <= lines
+    assert "WatchdogSec=30" in lines and "TimeoutStartSec=120" in lines
     assert "KillMode=mixed" in lines
     assert any(re.fullmatch(r"TimeoutStopSec=\d+", line) for line in lines)
     assert "Requires=docker.service" in lines
@@ -278,6 +282,6 @@ chmod -R a+r /work
         "700 root:root",
     ]
     assert (
-        "ExecStart=/opt/agent-appliance/bin/appliancectl up"
+        "ExecStart=/opt/agent-appliance/bin/applianced --config"
         in (tmp_path / "applianced.service").read_text()
     )

@@ -39,7 +39,7 @@ def test_doctor_reports_every_check() -> None:
     done = ctl("doctor", "--json")
     report = json.loads(done.stdout)
     names = {check["name"] for check in report["checks"]}
-    assert {"root", "engine", "runtime runc", "nftables", "netns + veth", "overlayfs"} <= names
+    assert {"root", "engine", "runtime runc", "nftables", "netns", "veth", "overlayfs"} <= names
     assert {"seccomp", "address pool"} <= names
     assert done.returncode == (0 if report["ok"] else 1)
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
 from appliance.keeper.gatekeeper import GatekeeperConfig, GatekeeperConfigError
-from appliance.runtime.base import AGENT_UID
+from appliance.runtime.base import AGENT_UID, KNOWN_RUNTIMES
 from netns import NetConfig, NetnsError, validate_config
 from proxycore.config import (
     DEFAULT_PORT,
@@ -47,6 +48,21 @@ from .client import DEFAULT_ADMIN_SOCKET  # defined there: appliancectl imports 
 from .errors import ConfigInvalid
 
 DEFAULT_STATE_DIR = "/var/lib/agent-appliance"
+# The file applianced and appliancectl read when no --config is given (ansible/ writes it).
+DEFAULT_CONFIG_FILE = "/etc/agent-appliance/appliance.toml"
+
+# A crew name is 1-63 letters, digits or '-' starting with a letter or digit (crews.py); the
+# prefix must start every name, so it is such a name's beginning, and leaves room for a name.
+NAME_PREFIX_MAX = 40
+_NAME_PREFIX = re.compile(rf"[A-Za-z0-9][A-Za-z0-9-]{{0,{NAME_PREFIX_MAX - 1}}}")
+# The crews' addresses: never routed on the internet, so that a crew's address can neither be
+# mistaken for nor shadow a public host the proxy dials. RFC 1918 private space and RFC 6598
+# shared address space (the default pool is in the latter).
+PRIVATE_POOLS = tuple(
+    ipaddress.IPv4Network(net)
+    for net in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+)
+_NETNS_KEY = re.compile(r"network config: `([a-z_]+)`: (.*)", re.DOTALL)
 
 MIB = 1024 * 1024
 
@@ -209,6 +225,14 @@ def parse_config(text: str | bytes, *, source: str = "<config>") -> ApplianceCon
     return check_config(config, source=source)
 
 
+def config_file(path: str | os.PathLike[str] | None) -> str | None:
+    """The file to read: the one named, else DEFAULT_CONFIG_FILE if it exists, else None (every
+    default)."""
+    if path is not None:
+        return os.fspath(path)
+    return DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None
+
+
 def load_config(path: str | os.PathLike[str] | None) -> ApplianceConfig:
     if path is None:
         return check_config(ApplianceConfig(), source="<defaults>")
@@ -259,6 +283,18 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
     if not daemon.provider:
         raise fail("daemon.provider", "must be 'docker' or 'module:factory'")
     crews = config.crews
+    if crews.name_prefix and not _NAME_PREFIX.fullmatch(crews.name_prefix):
+        raise fail(
+            "crews.name_prefix",
+            f"{crews.name_prefix!r} must be empty or 1-{NAME_PREFIX_MAX} letters, digits or '-', "
+            "starting with a letter or digit (every crew name starts with it)",
+        )
+    if crews.default_runtime not in KNOWN_RUNTIMES:
+        raise fail(
+            "crews.default_runtime",
+            f"{crews.default_runtime!r} is not a runtime the appliance knows "
+            f"({', '.join(KNOWN_RUNTIMES)})",
+        )
     if not 0 < crews.min_memory_bytes <= crews.default_memory_bytes <= crews.max_memory_bytes:
         raise fail(
             "crews", "needs 0 < min_memory_bytes <= default_memory_bytes <= max_memory_bytes"
@@ -268,7 +304,16 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
     try:
         validate_config(config.net_config())
     except NetnsError as exc:
-        raise fail("net", str(exc)) from None
+        named = _NETNS_KEY.fullmatch(str(exc))
+        raise (fail(f"net.{named[1]}", named[2]) if named else fail("net", str(exc))) from None
+    pool = ipaddress.IPv4Network(config.net.pool)  # validate_config: an IPv4 network
+    if not any(pool.subnet_of(private) for private in PRIVATE_POOLS):
+        raise fail(
+            "net.pool",
+            f"{pool} is not a private range: the crews' pool must lie in "
+            + ", ".join(map(str, PRIVATE_POOLS[:3]))
+            + f" (RFC 1918) or {PRIVATE_POOLS[3]} (RFC 6598)",
+        )
     try:
         config.keeper.validate()
     except GatekeeperConfigError as exc:

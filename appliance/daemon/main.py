@@ -3,13 +3,17 @@
 Theory of operation
 -------------------
     lock the state directory (flock: one daemon per state)
+    check the configuration against this host (preflight.py: credential files, runtime, images,
+    port, admin socket); a problem stops here with exit 2, before anything is touched
     open the credential store (its key from ENCRYPTION_KEY or the key file; a wrong key stops here)
     open the state (SQLite) and the crews' networks (netns, its own state file under net/)
     open the journal (journal.db, docs/journal.md) and follow the proxy's event file into it
     start the proxy child (supervised; restarted and re-fed its crews if it dies)
     reconcile (docs/daemon.md): the world is made to match the state rows
     open the admin socket (only now: no request sees a half-reconciled state)
-    ... serve until SIGTERM/SIGINT ...
+    tell the service manager READY=1 (notify.py; STATUS= at each step above, and whenever a
+    proxy worker is down; WATCHDOG=1 while the trio loop runs)
+    ... serve until SIGTERM/SIGINT (STOPPING=1) ...
     stop_crews_on_exit: tear the crews down (rows kept as "stopped"); else leave them running
     close the admin socket, stop the proxy (its channel closes), release the lock
 
@@ -20,6 +24,7 @@ daemon reaches nothing (fail closed), and the next start serves it again.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
 import importlib
@@ -28,8 +33,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import trio
 
 from appliance.credstore import CredentialStore, load_key
@@ -46,14 +53,17 @@ from proxycore.privileges import forbid_core_dumps
 
 from . import messages
 from .api import AdminServer
-from .config import ApplianceConfig, metrics_address
+from .config import ApplianceConfig, config_file, load_config, metrics_address
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
 from .metrics import DaemonMetrics, Traffic
 from .metrics import serve_tcp as serve_metrics
+from .notify import Notifier
+from .preflight import EXIT_CONFIG_INVALID, EXIT_CONFIG_OK, Preflight, run_preflight
 from .proxy import ProxyPool
 from .state import CrewPhase, StateStore
+from .supervisor import WorkerExit
 
 log = logging.getLogger("applianced")
 
@@ -63,6 +73,11 @@ JOURNAL_FILE = "journal.db"
 # not in the state directory, which the workers (UID [proxy] uid) cannot enter: see keeper_dir.
 KEEPER_SOCKET = "keeper.sock"
 KEEPER_RECENT_ENTRIES = 20
+# While the images are built at start (minutes, the first time), the service manager's start
+# timeout is pushed this far ahead, again every third of it (EXTEND_TIMEOUT_USEC).
+IMAGE_BUILD_EXTEND = 60.0
+# How often the STATUS= line is brought up to date with the proxy workers' state once serving.
+STATUS_INTERVAL = 1.0
 
 
 def load_provider(config: ApplianceConfig) -> RuntimeProvider:
@@ -104,10 +119,12 @@ class Daemon:
         provider: RuntimeProvider,
         *,
         on_step: StepHook | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.config = config
         self.provider = provider
         self.on_step = on_step
+        self.notifier = notifier or Notifier({})
         self.state_dir = Path(config.daemon.state_dir)
         self.started = time.time()
         self.reconcile_changes: tuple[str, ...] = ()
@@ -165,7 +182,57 @@ class Daemon:
             proxy_workers=self.proxy.worker_status(),
         )
 
+    async def _resolve_images(self) -> tuple[str, str]:
+        """resolve_images in a thread, the service manager's start timeout pushed ahead meanwhile
+        (a first start builds the images)."""
+        self.notifier.status("starting: the agent and infra images (a first start builds them)")
+        async with trio.open_nursery() as nursery:
+
+            async def extend() -> None:
+                while True:
+                    self.notifier.extend_timeout(IMAGE_BUILD_EXTEND)
+                    await trio.sleep(IMAGE_BUILD_EXTEND / 3)
+
+            if self.notifier.enabled:
+                nursery.start_soon(extend)
+            images = await trio.to_thread.run_sync(resolve_images, self.config)
+            nursery.cancel_scope.cancel()
+        return images
+
+    def _serving_status(self) -> str:
+        workers = self.proxy.worker_status()
+        down = [w for w in workers if w.pid is None]
+        crews = len(self.crews.store.crews())
+        if not down:
+            return (
+                f"serving: {crews} crews, {len(workers)} proxy workers, admin socket "
+                f"{self.config.daemon.admin_socket}"
+            )
+        parts = []
+        for worker in down:
+            why = f"exited: {worker.last_exit}" if worker.last_exit else "starting"
+            if worker.backoff is not None:
+                why += f", restart in {worker.backoff:.1f} s"
+            parts.append(f"proxy worker {worker.index} down ({why})")
+        return (
+            f"degraded: {'; '.join(parts)}; {len(workers) - len(down)} of {len(workers)} "
+            f"proxy workers serving, {crews} crews"
+        )
+
+    def _worker_exited(self, gone: WorkerExit) -> None:
+        """Journaled, and the service manager's STATUS= says so at once (a worker that comes
+        back within STATUS_INTERVAL would otherwise never show)."""
+        self.recorder.proxy_worker_exited(gone)
+        if self.notifier.enabled and hasattr(self, "crews"):
+            self.notifier.status(self._serving_status())
+
+    async def _keep_status(self) -> None:
+        while True:
+            self.notifier.status(self._serving_status())
+            await trio.sleep(STATUS_INTERVAL)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.notifier.status("starting: the state directory, the credential store, the journal")
         self._lock_state()
         credentials = open_credentials(self.config)
         try:
@@ -206,7 +273,7 @@ class Daemon:
                 # Only root can drop to another UID; applianced runs as root on an appliance.
                 drop_to=(section.uid, section.gid) if os.geteuid() == 0 else None,
                 events_reader=recorder.ingest_proxy_channel,
-                on_exit=recorder.proxy_worker_exited,
+                on_exit=self._worker_exited,
             )
             self.credentials_api = CredentialsApi(credentials, self.proxy)
             self.proxy.credentials_source = self.credentials_api.source
@@ -214,7 +281,7 @@ class Daemon:
             self.credentials_api.scrubbed += [journal, self.proxy]
             # (on this thread: the store's SQLite connection belongs to it; a few ms)
             self.credentials_api.refresh_scrubbers()
-            images = await trio.to_thread.run_sync(resolve_images, self.config)
+            images = await self._resolve_images()
             self.crews = CrewManager(
                 self.config,
                 self.provider,
@@ -248,7 +315,9 @@ class Daemon:
                 await nursery.start(keeper.serve, self.proxy.drop_to)
                 await nursery.start(recorder.watch_backpressure)
                 await nursery.start(self.journal_lifecycle.keep_pruned)
+                self.notifier.status(f"starting: {len(self.proxy.workers)} proxy workers")
                 await nursery.start(self.proxy.run)
+                self.notifier.status("starting: reconciling the crews with the state")
                 self.reconcile_changes = tuple(await self.crews.reconcile())
                 # Filled in the background: a create before a slot is ready builds its own.
                 pool_scope = trio.CancelScope()
@@ -262,6 +331,9 @@ class Daemon:
                 if self.config.metrics.listen:
                     host, port = metrics_address(self.config.metrics.listen)
                     await nursery.start(serve_metrics, self.metrics, host, port)
+                await nursery.start(self.notifier.keep_watchdog)
+                self.notifier.ready(self._serving_status())
+                nursery.start_soon(self._keep_status)
                 log.info(
                     "ready (pid %d, admin socket %s, provider %s)",
                     os.getpid(),
@@ -272,6 +344,7 @@ class Daemon:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
                         log.warning("signal %d: shutting down", signum)
+                        self.notifier.stopping(f"stopping ({signal.Signals(signum).name})")
                         break
                 # The pool first: a fill in progress is finished or undone, never left half.
                 pool_scope.cancel()
@@ -304,23 +377,129 @@ def open_credentials(config: ApplianceConfig) -> CredentialStore:
     return CredentialStore(Path(section.db or state_dir / "credentials.db"), key)
 
 
-def run_daemon(config: ApplianceConfig) -> int:
-    """The foreground daemon; returns the process exit code."""
+def run_daemon(config: ApplianceConfig, *, source: str = "<config>") -> int:
+    """The foreground daemon; returns the process exit code (0; 1 a failure at start or while
+    running; 2 a configuration this host cannot run, preflight.py)."""
     # applianced holds the store's key and, while pushing them, credential values.
     forbid_core_dumps()
     # One line per record, text or JSON, from [daemon] log_level (INFO by default: crew and
     # credential changes, names only, never a value); appliance/logs.py.
     setup_logging(config.daemon.log_format, config.daemon.log_level)
+    notifier = Notifier()
     try:
-        provider = load_provider(config)
-        daemon = Daemon(config, provider, on_step=kill_hook_from_env())
+        notifier.status("starting: the engine and the configuration")
+        try:
+            provider = load_provider(config)
+        except ConfigInvalid:
+            raise
+        except Exception as exc:
+            # An engine that does not answer may come back (exit 1, the unit retries); a
+            # missing credential file will not: say so now rather than after the engine.
+            report = run_preflight(config, source, provider=None, engine_error=str(exc))
+            problems = [p for p in report.problems if p.key != "daemon.provider"]
+            for problem in problems:
+                print(f"applianced: {problem}", file=sys.stderr, flush=True)
+            if problems:
+                notifier.status(f"configuration: {problems[0]}")
+                return EXIT_CONFIG_INVALID
+            raise
+        report = run_preflight(config, source, provider=provider, starting=True)
+        if not report.ok:
+            for problem in report.problems:
+                print(f"applianced: {problem}", file=sys.stderr, flush=True)
+            notifier.status(f"configuration: {report.problems[0]}")
+            return EXIT_CONFIG_INVALID
+        daemon = Daemon(config, provider, on_step=kill_hook_from_env(), notifier=notifier)
         trio.run(daemon.run)
     except DaemonError as exc:
         print(f"applianced: {exc}", file=sys.stderr, flush=True)
-        return 1
+        notifier.status(f"failed: {exc}")
+        return EXIT_CONFIG_INVALID if isinstance(exc, ConfigInvalid) else 1
     except Exception as exc:  # netns pool conflicts, state errors: say it, exit non-zero
         if type(exc).__module__.startswith(("netns", "appliance", "images")):
             print(f"applianced: {exc}", file=sys.stderr, flush=True)
+            notifier.status(f"failed: {exc}")
             return 1
         raise
+    finally:
+        notifier.close()
     return 0
+
+
+def check_configuration(config: ApplianceConfig, source: str) -> Preflight:
+    """What `applianced --check` and `appliancectl config check` report: the file has been
+    parsed and checked (config.py); now the host (preflight.py), with the engine if it answers."""
+    provider: RuntimeProvider | None = None
+    engine_error: str | None = None
+    try:
+        provider = load_provider(config)
+    except Exception as exc:  # EngineUnavailable lists every address tried; a factory's error
+        engine_error = str(exc) or type(exc).__name__
+    return run_preflight(config, source, provider=provider, engine_error=engine_error)
+
+
+def print_check(report: Preflight, *, as_json: bool, prog: str) -> int:
+    """Problems on stderr, one per line; the summary (or the JSON report) on stdout."""
+    for problem in report.problems:
+        print(f"{prog}: {problem}", file=sys.stderr, flush=True)
+    if as_json:
+        print(msgspec.json.encode(report).decode(), flush=True)
+    else:
+        for note in report.notes:
+            print(f"note: {note}", flush=True)
+        if report.ok:
+            print(f"{report.file}: ok (checked {', '.join(('values', *report.checked))})")
+    return EXIT_CONFIG_OK if report.ok else EXIT_CONFIG_INVALID
+
+
+def check_file(path: str | None, *, as_json: bool, prog: str) -> int:
+    """Read, parse and check a configuration file (the default one if `path` is None)."""
+    file = config_file(path)
+    source = file or "<defaults>"
+    try:
+        config = load_config(file)
+    except ConfigInvalid as exc:
+        problem = str(exc)
+        print(f"{prog}: {problem}", file=sys.stderr, flush=True)
+        if as_json:
+            print(msgspec.json.encode({"file": source, "ok": False, "error": problem}).decode())
+        return EXIT_CONFIG_INVALID
+    return print_check(check_configuration(config, source), as_json=as_json, prog=prog)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`applianced [--config FILE] [--check [--json]]`: the control plane in the foreground (what
+    a service manager runs), or only the checks it makes at start."""
+    parser = argparse.ArgumentParser(
+        prog="applianced",
+        description="the appliance's control plane, in the foreground (docs/daemon.md)",
+        epilog="exit status: 0 stopped cleanly (or --check: valid), 1 failed, 2 a configuration "
+        "this host cannot run (each problem on stderr: file, key, reason)",
+    )
+    parser.add_argument(
+        "--config", help="the configuration file (default /etc/agent-appliance/appliance.toml)"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the configuration and this host against it, then exit (0 valid, 2 not)",
+    )
+    parser.add_argument("--json", action="store_true", help="with --check: the report as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
+    if args.check:
+        return check_file(args.config, as_json=args.json, prog="applianced")
+    file = config_file(args.config)
+    try:
+        config = load_config(file)
+    except ConfigInvalid as exc:
+        print(f"applianced: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_INVALID
+    if os.geteuid() != 0:
+        print("applianced: needs root (netlink, nftables, the engine)", file=sys.stderr)
+        return 1
+    return run_daemon(config, source=file or "<defaults>")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
