@@ -65,8 +65,9 @@ LAUNCHER_ENV = {
 
 
 def test_the_fast_path_and_the_full_cli_agree() -> None:
-    from appliance import cli, ctl
     from appliance.daemon.client import DEFAULT_ADMIN_SOCKET
+
+    from appliance import cli, ctl
 
     assert ctl.DEFAULT_CONFIG == cli.DEFAULT_CONFIG
     assert ctl.DEFAULT_ADMIN_SOCKET == DEFAULT_ADMIN_SOCKET

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from appliance.daemon.client import AdminClient, AdminError, RunExit, RunOutput, Unreachable
 
 

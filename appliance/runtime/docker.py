@@ -80,6 +80,7 @@ from .base import (
     TMP_SIZE,
     ContainerRole,
     CrewSpec,
+    ExecAttached,
     ExecExited,
     ExecOutput,
     OwnedContainer,
@@ -393,6 +394,8 @@ class DockerProvider:
 
     # --- exec ----------------------------------------------------------------------------------
 
+    attached_exec = True  # exec(..., attach=True): stdin, TTY, signals (attached.py)
+
     async def exec(
         self,
         crew: str,
@@ -400,7 +403,21 @@ class DockerProvider:
         *,
         env: dict[str, str] | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[ExecOutput | ExecExited]:
+        attach: bool = False,
+        stdin: bool = False,
+        tty: bool = False,
+        size: tuple[int, int] | None = None,
+    ) -> AsyncIterator[ExecAttached | ExecOutput | ExecExited]:
+        if attach:
+            from .attached import exec_attached
+
+            attached = exec_attached(
+                self, crew, argv, env=env, timeout=timeout, stdin=stdin, tty=tty, size=size
+            )
+            async with contextlib.aclosing(attached) as events:
+                async for event in events:
+                    yield event
+            return
         check_exec_arguments(argv, timeout)
         for key in env or {}:
             if not key or "=" in key or key == EXEC_MARKER:
