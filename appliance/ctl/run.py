@@ -1,5 +1,5 @@
 """`appliancectl run [-i] [-t] [--timeout S] NAME -- CMD...`: a command in a crew's agent
-container, as `docker exec` runs one (fast.py holds the client; this is its argparse face)."""
+container, as `docker exec` runs one (attach.py holds the client; this is its argparse face)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .output import Output
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
-    from .fast import RunLine, run
+    from .attach import RunLine, run
 
     if not args.argv:
         raise UsageError("argument CMD: give the command after --")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import secrets
 import signal as signals
 import socket
 from collections.abc import AsyncGenerator
@@ -35,7 +34,7 @@ import docker.errors
 import trio
 
 from .base import ExecAttached, ExecExited, ExecOutput
-from .errors import CrewContainerError, check_exec_arguments
+from .errors import CrewContainerError
 
 if TYPE_CHECKING:
     from .docker import DockerProvider
@@ -165,20 +164,17 @@ def _open(
 async def exec_attached(
     provider: DockerProvider,
     crew: str,
-    argv: list[str],
+    command: list[str],
+    environment: dict[str, str],
+    token: str,
     *,
-    env: dict[str, str] | None,
     timeout: float | None,
     stdin: bool,
     tty: bool,
     size: tuple[int, int] | None,
 ) -> AsyncGenerator[ExecAttached | ExecOutput | ExecExited, None]:
-    from .docker import EXEC_MARKER, EXEC_WRAPPER
-
-    check_exec_arguments(argv, timeout)
-    token = secrets.token_hex(8)
-    environment = {**(env or {}), EXEC_MARKER: token}
-    command = ["/bin/sh", "-c", EXEC_WRAPPER, "appliance-exec", *argv]
+    """`command`: the argv under the provider's wrapper, whose pid file is named by `token`
+    (docker.py's EXEC_WRAPPER; the arguments are checked there)."""
     container_id, exec_id, plain = await trio.to_thread.run_sync(
         _open, provider, crew, command, environment, stdin, tty
     )

@@ -408,16 +408,6 @@ class DockerProvider:
         tty: bool = False,
         size: tuple[int, int] | None = None,
     ) -> AsyncIterator[ExecAttached | ExecOutput | ExecExited]:
-        if attach:
-            from .attached import exec_attached
-
-            attached = exec_attached(
-                self, crew, argv, env=env, timeout=timeout, stdin=stdin, tty=tty, size=size
-            )
-            async with contextlib.aclosing(attached) as events:
-                async for event in events:
-                    yield event
-            return
         check_exec_arguments(argv, timeout)
         for key in env or {}:
             if not key or "=" in key or key == EXEC_MARKER:
@@ -425,6 +415,17 @@ class DockerProvider:
         token = secrets.token_hex(8)
         environment = {**(env or {}), EXEC_MARKER: token}
         command = ["/bin/sh", "-c", EXEC_WRAPPER, "appliance-exec", *argv]
+        if attach:
+            from .attached import exec_attached
+
+            attached = exec_attached(
+                self, crew, command, environment, token,
+                timeout=timeout, stdin=stdin, tty=tty, size=size,
+            )  # fmt: skip
+            async with contextlib.aclosing(attached) as events:
+                async for event in events:
+                    yield event
+            return
         container_id, exec_id, stream = await trio.to_thread.run_sync(
             self._exec_open, crew, command, environment
         )
