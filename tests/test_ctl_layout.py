@@ -206,16 +206,18 @@ def documented_commands() -> list[tuple[str, str]]:
     return found
 
 
-def _tree(parser: object) -> tuple[dict[str, object], set[str]]:
+def _tree(parser: object) -> tuple[dict[str, object], dict[str, bool]]:
+    """(subcommands, {option: takes a value})."""
     import argparse
 
     assert isinstance(parser, argparse.ArgumentParser)
     commands: dict[str, object] = {}
-    options: set[str] = set()
+    options: dict[str, bool] = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             commands.update(action.choices)
-        options.update(action.option_strings)
+        for option in action.option_strings:
+            options[option] = action.nargs != 0
     return commands, options
 
 
@@ -225,31 +227,41 @@ def check_command(line: str) -> str | None:
     Placeholders (NAME, CREW...) and values are not judged."""
     words = shlex.split(line.replace("[", " ").replace("]", " "), posix=True)
     program = words.pop(0)
-    if program == "applianced":
-        return "applianced has no command line of its own: `appliancectl up` starts it"
     parser: object = build_parser()
-    commands, options = _tree(parser)
-    known = set(options)
-    expect_command = True
+    if program == "applianced":
+        from appliance.daemon import main as daemon_main
+
+        daemon_parser = getattr(daemon_main, "build_parser", None)
+        if daemon_parser is None:
+            return "applianced has no command line of its own: `appliancectl up` starts it"
+        parser = daemon_parser()
+    commands, known = _tree(parser)
+    skip = False
     for word in words:
+        if skip:
+            skip = False
+            continue
         if word == "--":
             break
-        if word.startswith("<") or word.startswith(">") or word in ("...", "|"):
+        if word.startswith(("<", ">")) or word in ("...", "|"):
             break
         if word.startswith("-"):
             for option in word.split("|"):
-                option = option.split("=", 1)[0]
-                if option.startswith("-") and option not in known:
-                    return f"unknown option {option}"
+                name, has_value = option.split("=", 1)[0], "=" in option
+                if not name.startswith("-"):
+                    continue
+                if name not in known:
+                    return f"unknown option {name}"
+                skip = known[name] and not has_value and "|" not in word
             continue
-        if commands and expect_command:
+        if commands:
             if word not in commands:
                 if word.isupper() or not word.isalpha():
-                    continue  # a placeholder where a value goes: `--config FILE`
+                    continue  # a placeholder where a command's argument goes
                 return f"unknown command {word!r} (one of {', '.join(commands)})"
             parser = commands[word]
             commands, options = _tree(parser)
-            known |= options
+            known = {**known, **options}
     return None
 
 
