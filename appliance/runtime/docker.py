@@ -110,7 +110,11 @@ MIN_MEMORY_BYTES = 32 * 1024 * 1024  # below this runc itself cannot start the c
 EXEC_MARKER = "APPLIANCE_EXEC_ID"
 # The exec wrapper: record the pid (sh stays the group leader, so killing the group kills the
 # command and its children), run the command, remove the record, keep the command's status.
+# The signals a client forwards (attached.py) go to the whole group; the wrapper catches them
+# (a handler, not an ignore: the command gets them with their default action) and so outlives
+# the command, whose status, e.g. a trap's `exit 42`, is then the exec's.
 EXEC_WRAPPER = (
+    "trap : HUP INT QUIT TERM USR1 USR2; "
     'f=/tmp/.appliance-exec-"$APPLIANCE_EXEC_ID".pid; echo $$ > "$f" 2>/dev/null; '
     '"$@"; s=$?; rm -f "$f"; exit $s'
 )
