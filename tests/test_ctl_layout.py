@@ -183,7 +183,7 @@ def test_routing_answers_404_and_405() -> None:
 
 # -- the documentation's commands --------------------------------------------------------------
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "ansible" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _INLINE = re.compile(r"`((?:appliancectl|applianced) [^`]+)`")
 _FENCE = re.compile(r"^```.*?$(.*?)^```", re.S | re.M)
 
