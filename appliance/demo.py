@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from appliance.demo_tls import server_context
 from appliance.demo_upstream import FakeServer, start_fake
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER
@@ -227,7 +229,7 @@ ifname_prefix = "{self.ifname_prefix}"
 """)
 
     def start(self, wait: float = 120.0) -> dict[str, Any]:
-        from appliance.daemon.client import AdminClient, AdminError, Unreachable
+        from appliance.ctl.client import AdminClient, AdminError, Unreachable
 
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -245,10 +247,10 @@ ifname_prefix = "{self.ifname_prefix}"
                     f"applianced exited with {self.process.returncode}: {self.log_tail()}"
                 )
             with contextlib.suppress(Unreachable, AdminError):
-                status: dict[str, Any] = client.call("GET", "/v1/status")
-                if status.get("pid") == self.process.pid:
-                    self.proxy_pids = tuple(status.get("proxy_pids") or ())
-                    return status
+                status = client.status()
+                if status.pid == self.process.pid:
+                    self.proxy_pids = status.proxy_pids
+                    return dict(msgspec.to_builtins(status))
             time.sleep(0.1)
         raise CheckFailed(f"applianced did not answer within {wait:g} s: {self.log_tail()}")
 

@@ -89,7 +89,7 @@ def hardened_run(image: str) -> list[str]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import docker
 
-    from appliance.daemon.client import AdminClient
+    from appliance.ctl.client import AdminClient
     from appliance.demo import DemoAppliance
     from appliance.runtime.engine import ensure_dockerd
     from images.build import ensure_images
@@ -177,7 +177,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     (crew_round, docker_rounds) if index % 2 == 0 else (docker_rounds, crew_round)
                 ):
                     work()
-                agent_id = admin.call("GET", f"/v1/crews/{name}")["agent_id"]
+                agent_id = admin.crew(name).agent_id
                 for _ in range(args.runs):
                     series["appliancectl_run"].append(
                         timed([*cli, "run", name, "--", "true"], cli_env)
@@ -250,8 +250,8 @@ def _wait_pool_full(admin: Any, timeout: float = 60.0) -> float:
     background); returns the seconds waited. Not part of any measured series."""
     started = time.perf_counter()
     while True:
-        status = admin.call("GET", "/v1/status")
-        if status.get("pool_ready", 0) >= status.get("pool_size", 0):
+        status = admin.status()
+        if status.pool_ready >= status.pool_size:
             return time.perf_counter() - started
         if time.perf_counter() - started > timeout:
             raise RuntimeError(f"the infra pool did not refill within {timeout:g} s: {status}")
@@ -259,13 +259,18 @@ def _wait_pool_full(admin: Any, timeout: float = 60.0) -> float:
 
 
 def _api_run(admin: Any, name: str) -> float:
-    from appliance.daemon.client import RunExit
+    from appliance.ctl.session import exited_of
+    from appliance.daemon import framing
 
     started = time.perf_counter()
     code = None
-    for event in admin.run(name, ["true"], None):
-        if isinstance(event, RunExit):
-            code = event.exit_code
+    session = admin.run(name, ["true"])
+    try:
+        for kind, payload in session.frames():
+            if kind == framing.EXIT:
+                code = exited_of(payload).exit_code
+    finally:
+        session.close()
     elapsed = time.perf_counter() - started
     if code != 0:
         raise RuntimeError(f"run true in {name} exited {code}")

@@ -195,7 +195,9 @@ resolve = {{ {resolve} }}
 
     def ctl_json(self, *args: str) -> tuple[int, Any]:
         done = self.ctl("--json", *args)
-        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        # Data on stdout; an error (a JSON object too) on stderr.
+        text = done.stdout if done.stdout.strip() else done.stderr
+        lines = [line for line in text.splitlines() if line.strip()]
         return done.returncode, json.loads(lines[-1]) if lines else None
 
     def wait_exit(self, timeout: float = 30) -> int:

@@ -84,7 +84,7 @@ def test_cred_commands_through_a_real_daemon(
     empty = app.ctl_stdin("", "cred", "add", "e", "--provider", "openai")
     assert empty.returncode == 2 and "empty" in empty.stderr
     dup = app.ctl_stdin("v", "--json", "cred", "add", "claude", "--provider", "anthropic")
-    assert dup.returncode == 4 and "already exists" in dup.stdout
+    assert dup.returncode == 4 and "already exists" in dup.stderr and dup.stdout == ""
 
     crew = app.crew("cred")
     code, created = app.ctl_json("crew", "create", crew, *REACH_TEST_HOSTS)

@@ -93,7 +93,8 @@ def test_unreachable_daemon_is_exit_5(tmp_path: Path) -> None:
     done = ctl("--socket", str(tmp_path / "none.sock"), "crew", "ls")
     assert done.returncode == 5 and "not answering" in done.stderr
     done = ctl("--json", "--socket", str(tmp_path / "none.sock"), "status")
-    assert done.returncode == 5 and json.loads(done.stdout)["ok"] is False
+    assert done.returncode == 5 and done.stdout == ""
+    assert json.loads(done.stderr)["ok"] is False  # errors on stderr, as JSON too
 
 
 def test_up_detach_answers_then_stops_on_sigterm(

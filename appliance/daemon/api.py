@@ -7,33 +7,44 @@ created 0600 under a 0700 directory, and every connection's peer credentials (SO
 be root or applianced's own user: file modes are the first gate, the kernel's word the second.
 One request per connection (`Connection: close`): appliancectl opens a connection per command.
 
-    GET    /v1/status                  Status
+Every endpoint is one row of ROUTES (method, path pattern, handler); `{name}` matches one path
+segment. A path that matches with another method is 405; no match is 404. Request and answer
+bodies are the Structs of messages.py; appliance/ctl/client.py has one method per row.
+
+    GET    /v1/status                  Status (with `health`: each part judged, health.py)
     GET    /v1/crews                   CrewList
     POST   /v1/crews                   CreateCrew -> 201 CrewInfo
     GET    /v1/crews/{name}            CrewInfo
     DELETE /v1/crews/{name}            Removed
     POST   /v1/crews/{name}/allow      AllowHost -> AllowResult
-    POST   /v1/crews/{name}/run        RunCommand -> 200, chunked JSON lines: RunOutput..., RunExit
-    GET    /v1/net                     netns.NetworkReport (crews by name, then free pool slots)
-    GET    /v1/credentials             CredentialList; POST adds; .../{name}/grant|revoke|rotate
-                                       (appliance/daemon/credentials.py; values only in bodies)
-    GET    /v1/journal?n=&crew=&type=&after=   {"entries": [journal Row...]}, oldest first
-    GET    /v1/journal/search?q=&n=    {"entries": [...]} (FTS5 MATCH over summary and payload)
-    GET    /v1/journal/export?since=&until=&crew=   200, chunked JSON lines: a signed export
-                                       (appliance/journal/export.py: header, Rows, signed end)
-    GET    /v1/journal/verify          journal VerifyReport (200 whether or not it is ok)
-    GET    /metrics                    Prometheus text exposition (appliance/daemon/metrics.py)
+    POST   /v1/crews/{name}/run        RunCommand, `Upgrade: appliance-run/1` -> 101, then
+                                       frames both ways (framing.py): output, stdin, signals,
+                                       resize, the exit status
+    GET    /v1/net                     NetReport (crews by name, then free pool slots)
+    GET    /v1/credentials             CredentialList; POST AddCredential -> 201 CredentialInfo
+    POST   /v1/credentials/{name}/grant|revoke|rotate   -> CredentialInfo (credentials.py)
+    GET    /v1/journal?n=&crew=&type=&after=   JournalEntries, oldest first
+    GET    /v1/journal/search?q=&n=    JournalEntries holding every word of q (each a literal
+                                       FTS5 phrase); ?match= takes an FTS5 query as it is
+    GET    /v1/journal/export?since=&until=&crew=   200, JSON lines: a signed export
+                                       (appliance/journal/export.py: header, rows, signed end)
+    GET    /v1/journal/verify          JournalVerify (200 whether or not it is ok; from the
+                                       signed checkpoint when retention cut the journal)
     POST   /v1/journal/prune           PruneRequest -> PruneReport (409 tampered: nothing removed)
     POST   /v1/journal/backup          {"path": absolute} -> BackupReport (a signed copy)
+    GET    /v1/events?crew=&type=&n=&after=&since=&follow=1   JSON lines of JournalEntry; with
+                                       follow, new entries as they are written, until the
+                                       client goes away
+    GET    /metrics                    Prometheus text exposition (appliance/daemon/metrics.py)
 
 Errors are `{"error": code, "message": text}` with the status the error class carries
-(errors.py): 400 invalid (names the argument), 404 not_found, 409 exists/conflict, 503
+(errors.py): 400 invalid (names the argument), 404 not_found, 405, 409 exists/conflict, 503
 unavailable, 500 failed/internal. A request head must arrive within HEAD_TIMEOUT and a body is
 capped at MAX_BODY.
 
 Each request's log records carry a request id (a run's is its journal trace id) and the crew it
-names. A client that goes away mid-answer (Ctrl-C, a killed `appliancectl`, a closed pipe, or
-`run` closing as soon as it has read the exit) is not an error: one INFO line, no traceback.
+names. A client that goes away mid-answer (Ctrl-C, a killed `appliancectl`, a closed pipe) is not
+an error: one INFO line, no traceback.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ import struct
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -56,7 +68,7 @@ import trio
 
 from proxycore import logs
 
-from . import messages
+from . import framing, health, messages
 from .errors import DaemonError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -66,15 +78,15 @@ log = logging.getLogger("applianced.api")
 
 MAX_BODY = 1 << 20
 HEAD_TIMEOUT = 10.0
-PREFIX = "/v1/"
-METRICS_PATH = "/metrics"
+MAX_ENTRIES = 10_000
+FOLLOW_POLL = 0.25  # seconds between looks at the journal for `events?follow=1`
 # The client closed its end while we answered: expected, never an error.
 _CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
-def _crew_named(target: str) -> str | None:
+def _crew_named(path: str) -> str | None:
     """The crew a request names (/v1/crews/{name}...), for its log records."""
-    parts = target.split("?", 1)[0].split("/")
+    parts = path.split("/")
     return parts[3] if len(parts) > 3 and parts[1:3] == ["v1", "crews"] and parts[3] else None
 
 
@@ -93,7 +105,7 @@ class _MethodNotAllowed(DaemonError):
     code = "method_not_allowed"
 
 
-def _decode(body: bytes, kind: type[Any]) -> Any:
+def decode(body: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body or b"{}", type=kind)
     except msgspec.ValidationError as exc:
@@ -102,9 +114,343 @@ def _decode(body: bytes, kind: type[Any]) -> Any:
         raise InvalidRequest(f"request body is not JSON: {exc}") from None
 
 
+def fts_phrases(text: str) -> str:
+    """Plain text as an FTS5 query: each whitespace-separated word a quoted string (a phrase of
+    its tokens), all of them required. `denied.test` is the phrase "denied test"; `OR`, `NEAR`,
+    `-`, `*`, `:` and quotes are text, never operators (FTS5's string syntax: "" for a quote)."""
+    words = text.split()
+    if not words:
+        raise InvalidRequest("argument q: needs something to search for")
+    return " ".join('"' + word.replace('"', '""') + '"' for word in words)
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    params: dict[str, str]  # the pattern's {name} segments, decoded
+    query: dict[str, list[str]]
+    body: bytes
+    stream: trio.SocketStream
+    conn: h11.Connection
+    headers: dict[str, str]
+
+    def arg(self, name: str) -> str | None:
+        values = self.query.get(name)
+        return values[-1] if values else None
+
+    def number(self, name: str, default: int, limit: int = MAX_ENTRIES) -> int:
+        text = self.arg(name)
+        if text is None:
+            return default
+        if not text.isdigit():
+            raise InvalidRequest(f"argument {name}: {text!r} is not a non-negative integer")
+        return min(int(text), limit)
+
+    def real(self, name: str) -> float | None:
+        text = self.arg(name)
+        if text is None:
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            raise InvalidRequest(f"argument {name}: {text!r} is not a number") from None
+
+
+Handler = Callable[["Handlers", Request], Awaitable[_Reply | None]]
+
+
+class Handlers:
+    """The endpoints over the daemon (the backend): one method per row of ROUTES. A method
+    that answers itself (a stream, an upgrade) returns None."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    # -- daemon ---------------------------------------------------------------------------
+
+    async def status(self, request: Request) -> _Reply:
+        daemon = self.daemon
+        status = await daemon.status()
+        parts = await health.judge(
+            status, daemon.provider, getattr(daemon, "recorder", None), daemon.journal
+        )
+        return _Reply(200, msgspec.structs.replace(status, health=parts))
+
+    async def net(self, request: Request) -> _Reply:
+        return _Reply(200, await self.daemon.crews.net_report())
+
+    # -- crews ----------------------------------------------------------------------------
+
+    async def crews(self, request: Request) -> _Reply:
+        return _Reply(200, messages.CrewList(tuple(await self.daemon.crews.list_crews())))
+
+    async def create_crew(self, request: Request) -> _Reply:
+        crews = self.daemon.crews
+        row = await crews.create(decode(request.body, messages.CreateCrew))
+        return _Reply(201, await crews.info(row))
+
+    async def crew(self, request: Request) -> _Reply:
+        return _Reply(200, await self.daemon.crews.show(request.params["name"]))
+
+    async def remove_crew(self, request: Request) -> _Reply:
+        name = request.params["name"]
+        await self.daemon.crews.remove(name)
+        return _Reply(200, messages.Removed(crew=name))
+
+    async def allow(self, request: Request) -> _Reply:
+        name = request.params["name"]
+        allow = decode(request.body, messages.AllowHost)
+        changed = await self.daemon.crews.allow(name, allow.host)
+        return _Reply(200, messages.AllowResult(crew=name, host=allow.host, changed=changed))
+
+    async def run(self, request: Request) -> None:
+        from .run_session import serve_run
+
+        run = decode(request.body, messages.RunCommand)
+        if request.headers.get("upgrade", "").lower() != framing.UPGRADE:
+            raise InvalidRequest(f"run: needs `Upgrade: {framing.UPGRADE}` (framing.py)")
+        await serve_run(self.daemon, request.params["name"], run, request.stream, request.conn)
+        return None
+
+    # -- credentials (credentials.py journals its own changes) -----------------------------
+
+    async def credentials(self, request: Request) -> _Reply:
+        return _Reply(200, self.daemon.credentials_api.listing())
+
+    async def add_credential(self, request: Request) -> _Reply:
+        add = decode(request.body, messages.AddCredential)
+        return _Reply(201, await self.daemon.credentials_api.add(add, self.daemon.recorder))
+
+    async def grant(self, request: Request) -> _Reply:
+        grant = decode(request.body, messages.GrantCredential)
+        api, name = self.daemon.credentials_api, request.params["name"]
+        return _Reply(200, await api.grant(name, grant, self.daemon.recorder))
+
+    async def revoke(self, request: Request) -> _Reply:
+        revoke = decode(request.body, messages.RevokeCredential)
+        api, name = self.daemon.credentials_api, request.params["name"]
+        return _Reply(200, await api.revoke(name, revoke, self.daemon.recorder))
+
+    async def rotate(self, request: Request) -> _Reply:
+        rotate = decode(request.body, messages.RotateCredential)
+        api, name = self.daemon.credentials_api, request.params["name"]
+        return _Reply(200, await api.rotate(name, rotate, self.daemon.recorder))
+
+    # -- journal --------------------------------------------------------------------------
+
+    async def _journal_call(self, call: Callable[[], Any]) -> Any:
+        from appliance.journal import JournalError
+
+        try:
+            return await trio.to_thread.run_sync(call)
+        except JournalError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    async def journal(self, request: Request) -> _Reply:
+        call = functools.partial(
+            self.daemon.journal.tail,
+            request.number("n", 20),
+            crew=request.arg("crew"),
+            type=request.arg("type"),
+            after=request.number("after", 0, limit=1 << 62),
+        )
+        return _Reply(200, {"entries": await self._journal_call(call)})
+
+    async def journal_search(self, request: Request) -> _Reply:
+        match = request.arg("match")
+        query = match if match is not None else fts_phrases(request.arg("q") or "")
+        if not query.strip():
+            raise InvalidRequest("argument match: needs an FTS5 query")
+        call = functools.partial(self.daemon.journal.search, query, request.number("n", 50))
+        return _Reply(200, {"entries": await self._journal_call(call)})
+
+    async def journal_verify(self, request: Request) -> _Reply:
+        return _Reply(200, await self._journal_call(self.daemon.journal_lifecycle.verify))
+
+    async def journal_export(self, request: Request) -> None:
+        from appliance.journal.export import ExportFilter
+
+        where = ExportFilter(
+            since=request.real("since"), until=request.real("until"), crew=request.arg("crew")
+        )
+        lines = await self._journal_call(
+            functools.partial(self.daemon.journal_lifecycle.export, where)
+        )
+        await _send_lines(request, _pages(lines))
+        return None
+
+    async def journal_prune(self, request: Request) -> _Reply:
+        """PruneRequest -> PruneReport; 409 `tampered` when what it would remove does not
+        verify (nothing is removed then)."""
+        from appliance.journal.retention import JournalTampered, PruneRequest
+
+        prune = decode(request.body, PruneRequest)
+        try:
+            report = await self._journal_call(
+                functools.partial(self.daemon.journal_lifecycle.prune, prune)
+            )
+        except JournalTampered as exc:
+            return _Reply(409, messages.ErrorBody("tampered", str(exc)))
+        return _Reply(200, report)
+
+    async def journal_backup(self, request: Request) -> _Reply:
+        path = decode(request.body, dict[str, str]).get("path")
+        if not path:
+            raise InvalidRequest("argument path: give the backup file")
+        try:
+            report = await self._journal_call(
+                functools.partial(self.daemon.journal_lifecycle.backup, path)
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return _Reply(200, report)
+
+    async def metrics(self, request: Request) -> None:
+        data, content_type = self.daemon.metrics.exposition()
+        headers = [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(data))),
+            ("Connection", "close"),
+        ]
+        stream, conn = request.stream, request.conn
+        await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
+        await stream.send_all(conn.send(h11.Data(data=data)))
+        await stream.send_all(conn.send(h11.EndOfMessage()))
+        return None
+
+    async def events(self, request: Request) -> None:
+        """Entries as JSON lines: the last n (or those since a time, or after a seq), then with
+        follow=1 each new one as it is written, until the client goes away."""
+        journal = self.daemon.journal
+        crew, kind = request.arg("crew"), request.arg("type")
+        after = request.number("after", 0, limit=1 << 62)
+        since = request.real("since")
+        follow = request.arg("follow") not in (None, "", "0")
+        if not after and since is None:
+            # The last n entries, then everything after them.
+            # The head first: an entry written between the two reads is then in both, and
+            # `after` skips it once; none is lost.
+            head = await self._journal_call(functools.partial(journal.tail, 1))
+            last = await self._journal_call(
+                functools.partial(journal.tail, request.number("n", 20), crew=crew, type=kind)
+            )
+            initial = list(last)
+            after = max([row.seq for row in (*head, *initial)], default=0)
+        else:
+            initial = []
+
+        async def pages() -> Any:
+            nonlocal after
+            if initial:
+                yield initial
+            while True:
+                rows = await self._journal_call(
+                    functools.partial(journal.tail, 1000, crew=crew, type=kind, after=after)
+                )
+                if since is not None:
+                    rows = [row for row in rows if row.ts >= since]
+                if rows:
+                    after = max(after, rows[-1].seq)
+                    yield rows
+                    continue
+                if not follow:
+                    return
+                await trio.sleep(FOLLOW_POLL)
+
+        await _send_lines(request, pages())
+        return None
+
+
+# The admin API: every endpoint, once. (method, path pattern, handler)
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("GET", "/v1/status", Handlers.status),
+    ("GET", "/v1/net", Handlers.net),
+    ("GET", "/v1/crews", Handlers.crews),
+    ("POST", "/v1/crews", Handlers.create_crew),
+    ("GET", "/v1/crews/{name}", Handlers.crew),
+    ("DELETE", "/v1/crews/{name}", Handlers.remove_crew),
+    ("POST", "/v1/crews/{name}/allow", Handlers.allow),
+    ("POST", "/v1/crews/{name}/run", Handlers.run),
+    ("GET", "/v1/credentials", Handlers.credentials),
+    ("POST", "/v1/credentials", Handlers.add_credential),
+    ("POST", "/v1/credentials/{name}/grant", Handlers.grant),
+    ("POST", "/v1/credentials/{name}/revoke", Handlers.revoke),
+    ("POST", "/v1/credentials/{name}/rotate", Handlers.rotate),
+    ("GET", "/v1/journal", Handlers.journal),
+    ("GET", "/v1/journal/search", Handlers.journal_search),
+    ("GET", "/v1/journal/export", Handlers.journal_export),
+    ("GET", "/v1/journal/verify", Handlers.journal_verify),
+    ("POST", "/v1/journal/prune", Handlers.journal_prune),
+    ("POST", "/v1/journal/backup", Handlers.journal_backup),
+    ("GET", "/v1/events", Handlers.events),
+    ("GET", "/metrics", Handlers.metrics),
+)
+
+
+def route(method: str, path: str) -> tuple[Handler, dict[str, str]]:
+    """The handler for a request and its path parameters; 404 or 405 otherwise."""
+    segments = path.strip("/").split("/")
+    allowed: list[str] = []
+    for route_method, pattern, handler in ROUTES:
+        parts = pattern.strip("/").split("/")
+        if len(parts) != len(segments):
+            continue
+        params: dict[str, str] = {}
+        for part, segment in zip(parts, segments, strict=True):
+            if part.startswith("{"):
+                if not segment:
+                    break
+                params[part[1:-1]] = urllib.parse.unquote(segment)
+            elif part != segment:
+                break
+        else:
+            if route_method == method:
+                return handler, params
+            allowed.append(route_method)
+    if allowed:
+        raise _MethodNotAllowed(f"{method} not allowed on {path} (only {', '.join(allowed)})")
+    raise _NotFound(f"no such endpoint: {path}")
+
+
+def _pages(rows: Iterator[Any]) -> Any:
+    async def pages() -> Any:
+        while True:
+            # Pages of rows read off the trio thread; the sqlite reads never block the loop.
+            page = await trio.to_thread.run_sync(lambda: list(itertools.islice(rows, 1000)))
+            if not page:
+                return
+            yield page
+
+    return pages()
+
+
+async def _send_lines(request: Request, pages: Any) -> None:
+    """A chunked JSON-lines answer (framing.py), a page of documents per chunk."""
+    stream, conn = request.stream, request.conn
+    headers = [
+        ("Content-Type", "application/x-ndjson"),
+        ("Transfer-Encoding", "chunked"),
+        ("Connection", "close"),
+    ]
+    await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
+    async with contextlib.aclosing(pages) as iterator:
+        async for page in iterator:
+            # Rows as documents; a signed export's lines come framed already (export.py).
+            data = b"".join(
+                row
+                if isinstance(row, bytes)
+                else framing.json_lines([messages.encoder.encode(row)])
+                for row in page
+            )
+            await stream.send_all(conn.send(h11.Data(data=data)))
+    await stream.send_all(conn.send(h11.EndOfMessage()))
+
+
 class AdminServer:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        self.handlers = Handlers(daemon)
 
     async def serve(
         self, path: str, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -150,26 +496,47 @@ class AdminServer:
                 return
             target = request.target.decode("ascii", "replace")
             method = request.method.decode("ascii", "replace")
-            with logs.bound(request_id=uuid.uuid4().hex, crew=_crew_named(target)):
-                await self._answer(method, target, body, stream, conn)
+            split = urllib.parse.urlsplit(target)
+            with logs.bound(request_id=uuid.uuid4().hex, crew=_crew_named(split.path)):
+                await self._answer(method, target, split, request, body, stream, conn)
 
     async def _answer(
-        self, method: str, target: str, body: bytes, stream: trio.SocketStream, conn: h11.Connection
+        self,
+        method: str,
+        target: str,
+        split: urllib.parse.SplitResult,
+        request: h11.Request,
+        body: bytes,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
     ) -> None:
-        path = target.split("?", 1)[0]
         try:
-            reply = await self._dispatch(method, target, body, stream, conn)
+            handler, params = route(method, split.path)
+            call = Request(
+                method=method,
+                path=split.path,
+                params=params,
+                query=urllib.parse.parse_qs(split.query),
+                body=body,
+                stream=stream,
+                conn=conn,
+                headers={
+                    name.decode("latin-1"): value.decode("latin-1")
+                    for name, value in request.headers
+                },
+            )
+            reply = await handler(self.handlers, call)
         except DaemonError as exc:
             reply = _Reply(exc.status, self._error(exc))
         except _CLIENT_GONE:
             # Expected: the client stopped reading; noticed at our next write to it.
-            log.info("admin client went away during %s %s", method, path)
+            log.info("admin client went away during %s %s", method, split.path)
             return
         except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("admin request %s %s", method, path)
+            log.exception("admin request %s %s", method, target)
             reply = _Reply(500, messages.ErrorBody("internal", f"internal error: {exc}"))
         if reply is not None:
-            log.debug("%s %s: %d", method, path, reply.status)
+            log.debug("%s %s: %d", method, split.path, reply.status)
             with contextlib.suppress(*_CLIENT_GONE, h11.LocalProtocolError):
                 await self._send(stream, conn, reply)
 
@@ -200,6 +567,8 @@ class AdminServer:
                 return request, bytes(body)
             elif isinstance(event, h11.ConnectionClosed):
                 return None, b""
+            elif event is h11.PAUSED:
+                return request, bytes(body)
 
     async def _send(self, stream: trio.SocketStream, conn: h11.Connection, reply: _Reply) -> None:
         data = messages.encoder.encode(reply.body)
@@ -209,216 +578,5 @@ class AdminServer:
             ("Connection", "close"),
         ]
         await stream.send_all(conn.send(h11.Response(status_code=reply.status, headers=headers)))
-        await stream.send_all(conn.send(h11.Data(data=data)))
-        await stream.send_all(conn.send(h11.EndOfMessage()))
-
-    async def _dispatch(
-        self,
-        method: str,
-        target: str,
-        body: bytes,
-        stream: trio.SocketStream,
-        conn: h11.Connection,
-    ) -> _Reply | None:
-        path = target.split("?", 1)[0]
-        if path == METRICS_PATH:
-            if method != "GET":
-                raise _MethodNotAllowed(f"{method} not allowed on {path}")
-            await self._stream_metrics(stream, conn)
-            return None
-        if not path.startswith(PREFIX):
-            raise _NotFound(f"no such endpoint: {path}")
-        parts = path[len(PREFIX) :].strip("/").split("/")
-        crews = self.daemon.crews
-
-        def only(*allowed: str) -> None:
-            if method not in allowed:
-                raise _MethodNotAllowed(f"{method} not allowed on {path}")
-
-        if parts == ["status"]:
-            only("GET")
-            return _Reply(200, await self.daemon.status())
-        if parts[0] == "journal" and parts[1:] in (["prune"], ["backup"]):
-            only("POST")
-            return await self._journal_maintenance(parts[1], body)
-        if parts[0] == "journal":
-            only("GET")
-            return await self._journal(parts[1:], target, stream, conn)
-        if parts[0] == "credentials":
-            # The endpoints journal their changes themselves: a change stored whose push to
-            # the proxy then fails is journaled too (appliance/daemon/credentials.py).
-            api = self.daemon.credentials_api
-            status, reply = await api.handle(method, parts, body, self.daemon.recorder)
-            return _Reply(status, reply)
-        if parts == ["net"]:
-            only("GET")
-            return _Reply(200, await self.daemon.crews.net_report())
-        if parts == ["crews"]:
-            only("GET", "POST")
-            if method == "GET":
-                return _Reply(200, messages.CrewList(tuple(await crews.list_crews())))
-            request = _decode(body, messages.CreateCrew)
-            row = await crews.create(request)
-            return _Reply(201, await crews.info(row))
-        if len(parts) >= 2 and parts[0] == "crews":
-            name = parts[1]
-            if len(parts) == 2:
-                only("GET", "DELETE")
-                if method == "GET":
-                    return _Reply(200, await crews.show(name))
-                await crews.remove(name)
-                return _Reply(200, messages.Removed(crew=name))
-            if parts[2:] == ["allow"]:
-                only("POST")
-                allow = _decode(body, messages.AllowHost)
-                changed = await crews.allow(name, allow.host)
-                return _Reply(
-                    200, messages.AllowResult(crew=name, host=allow.host, changed=changed)
-                )
-            if parts[2:] == ["run"]:
-                only("POST")
-                run = _decode(body, messages.RunCommand)
-                events = await crews.run(name, run.argv, run.timeout)
-                await self._stream_run(stream, conn, events)
-                return None
-        raise _NotFound(f"no such endpoint: {path}")
-
-    async def _journal(
-        self, parts: list[str], target: str, stream: trio.SocketStream, conn: h11.Connection
-    ) -> _Reply | None:
-        from appliance.journal import JournalError
-
-        journal = self.daemon.journal
-        query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
-
-        def arg(name: str) -> str | None:
-            values = query.get(name)
-            return values[-1] if values else None
-
-        def number(name: str, default: int) -> int:
-            text = arg(name)
-            if text is None:
-                return default
-            if not text.isdigit():
-                raise InvalidRequest(f"argument {name}: {text!r} is not a non-negative integer")
-            return int(text)
-
-        try:
-            if parts == []:
-                rows = await trio.to_thread.run_sync(
-                    functools.partial(
-                        journal.tail,
-                        min(number("n", 20), 10_000),
-                        crew=arg("crew"),
-                        type=arg("type"),
-                        after=number("after", 0),
-                    )
-                )
-                return _Reply(200, {"entries": rows})
-            if parts == ["search"]:
-                q = arg("q")
-                if not q:
-                    raise InvalidRequest("argument query: needs a search expression")
-                rows = await trio.to_thread.run_sync(
-                    journal.search, q, min(number("n", 50), 10_000)
-                )
-                return _Reply(200, {"entries": rows})
-            if parts == ["verify"]:
-                lifecycle = self.daemon.journal_lifecycle
-                return _Reply(200, await trio.to_thread.run_sync(lifecycle.verify))
-        except JournalError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if parts == ["export"]:
-            from appliance.journal.export import ExportFilter
-
-            def seconds(name: str) -> float | None:
-                text = arg(name)
-                try:
-                    return None if text is None else float(text)
-                except ValueError:
-                    raise InvalidRequest(f"argument {name}: {text!r} is not a time") from None
-
-            where = ExportFilter(since=seconds("since"), until=seconds("until"), crew=arg("crew"))
-            lines = await trio.to_thread.run_sync(self.daemon.journal_lifecycle.export, where)
-            await self._stream_export(stream, conn, lines)
-            return None
-        raise _NotFound(f"no such endpoint: /v1/journal/{'/'.join(parts)}")
-
-    async def _journal_maintenance(self, action: str, body: bytes) -> _Reply:
-        """POST /v1/journal/prune (PruneRequest -> PruneReport; 409 `tampered` if what it would
-        remove does not verify) and /v1/journal/backup ({"path": absolute} -> BackupReport)."""
-        from appliance.journal import JournalError
-        from appliance.journal.retention import JournalTampered, PruneRequest
-
-        lifecycle = self.daemon.journal_lifecycle
-        try:
-            if action == "prune":
-                request = _decode(body, PruneRequest)
-                return _Reply(200, await trio.to_thread.run_sync(lifecycle.prune, request))
-            path = _decode(body, dict[str, str]).get("path")
-            if not path:
-                raise InvalidRequest("argument path: give the backup file")
-            return _Reply(200, await trio.to_thread.run_sync(lifecycle.backup, path))
-        except JournalTampered as exc:
-            return _Reply(409, {"error": "tampered", "message": str(exc)})
-        except (JournalError, ValueError) as exc:
-            raise InvalidRequest(str(exc)) from None
-
-    async def _stream_export(
-        self, stream: trio.SocketStream, conn: h11.Connection, rows: Iterator[Any]
-    ) -> None:
-        headers = [
-            ("Content-Type", "application/x-ndjson"),
-            ("Transfer-Encoding", "chunked"),
-            ("Connection", "close"),
-        ]
-        await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
-        while True:
-            # Pages of rows read off the trio thread; the sqlite reads never block the loop.
-            page = await trio.to_thread.run_sync(lambda: list(itertools.islice(rows, 1000)))
-            if not page:
-                break
-            data = b"".join(
-                row if isinstance(row, bytes) else messages.encoder.encode(row) + b"\n"
-                for row in page
-            )
-            await stream.send_all(conn.send(h11.Data(data=data)))
-        await stream.send_all(conn.send(h11.EndOfMessage()))
-
-    async def _stream_run(
-        self, stream: trio.SocketStream, conn: h11.Connection, events: Any
-    ) -> None:
-        """Chunked JSON lines; if the client goes away the command is cancelled (killed)."""
-        from appliance.runtime.base import ExecExited
-
-        headers = [
-            ("Content-Type", "application/x-ndjson"),
-            ("Transfer-Encoding", "chunked"),
-            ("Connection", "close"),
-        ]
-        send: Callable[[bytes], Awaitable[None]] = stream.send_all
-        await send(conn.send(h11.Response(status_code=200, headers=headers)))
-        async with contextlib.aclosing(events) as iterator:
-            async for event in iterator:
-                if isinstance(event, ExecExited):
-                    item: messages.RunEvent = messages.RunExit(event.exit_code, event.timed_out)
-                else:
-                    item = messages.RunOutput(
-                        stream=event.stream, line=event.line.decode("utf-8", "replace")
-                    )
-                await send(conn.send(h11.Data(data=messages.encoder.encode(item) + b"\n")))
-        # The client may close as soon as it has read the exit (appliance/ctl.py does): the
-        # run is complete either way.
-        with contextlib.suppress(*_CLIENT_GONE):
-            await send(conn.send(h11.EndOfMessage()))
-
-    async def _stream_metrics(self, stream: trio.SocketStream, conn: h11.Connection) -> None:
-        data, content_type = self.daemon.metrics.exposition()
-        headers = [
-            ("Content-Type", content_type),
-            ("Content-Length", str(len(data))),
-            ("Connection", "close"),
-        ]
-        await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
         await stream.send_all(conn.send(h11.Data(data=data)))
         await stream.send_all(conn.send(h11.EndOfMessage()))

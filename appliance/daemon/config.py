@@ -44,9 +44,11 @@ from proxycore.config import (
 )
 from proxycore.errors import ConfigError
 
-from .client import DEFAULT_ADMIN_SOCKET  # defined there: appliancectl imports only the client
 from .errors import ConfigInvalid
 
+# appliancectl has its own copy (appliance/ctl/http.py: the run fast path imports no config);
+# tests/test_ctl_layout.py holds the two equal.
+DEFAULT_ADMIN_SOCKET = "/run/agent-appliance/admin.sock"
 DEFAULT_STATE_DIR = "/var/lib/agent-appliance"
 # The file applianced and appliancectl read when no --config is given (ansible/ writes it).
 DEFAULT_CONFIG_FILE = "/etc/agent-appliance/appliance.toml"

@@ -1,4 +1,5 @@
-"""The admin API's credential endpoints and the push of crews' provider keys to the proxy.
+"""The admin API's credential endpoints (routed in api.py's table) and the push of crews'
+provider keys to the proxy.
 
     GET    /v1/credentials                 CredentialList (never a value)
     POST   /v1/credentials                 AddCredential -> 201 CredentialInfo
@@ -187,72 +188,75 @@ class CredentialsApi:
             f"proxy did not confirm it ({error}): {after}"
         )
 
-    async def handle(
-        self,
-        method: str,
-        parts: list[str],
-        body: bytes,
-        recorder: JournalRecorder | None = None,
-    ) -> tuple[int, Any]:
-        """One credential endpoint; every change is journaled on `recorder` (none: a recorder
-        without a journal)."""
+    # -- the endpoints (routed by api.py); every change is journaled on `recorder` ---------
+
+    def listing(self) -> messages.CredentialList:
         try:
-            return await self._handle(method, parts, body, recorder or JournalRecorder())
+            return messages.CredentialList(tuple(info_message(i) for i in self.store.list()))
         except CredStoreError as exc:
             raise CredentialError(exc) from None
 
-    async def _handle(
-        self, method: str, parts: list[str], body: bytes, recorder: JournalRecorder
-    ) -> tuple[int, Any]:
-        from .api import _decode, _MethodNotAllowed, _NotFound
-
-        store = self.store
-        if len(parts) == 1:
-            if method == "GET":
-                listing = tuple(info_message(i) for i in store.list())
-                return 200, messages.CredentialList(listing)
-            if method != "POST":
-                raise _MethodNotAllowed(f"{method} not allowed on /v1/credentials")
-            add = _decode(body, messages.AddCredential)
+    async def add(
+        self, add: messages.AddCredential, recorder: JournalRecorder
+    ) -> messages.CredentialInfo:
+        try:
             with SecretValue(add.value) as value:
-                info = store.add(add.name, add.provider, value, level=add.level, kind=add.kind)
-            self.refresh_scrubbers()  # granted or not, the journal must not show it
-            log.info(
-                "credential %s added (provider %s, level %s)", info.name, info.provider, info.level
-            )
-            await self._journal(recorder, info, "added")
-            return 201, info_message(info)
-        if len(parts) != 3:
-            raise _NotFound("no such endpoint: /v1/" + "/".join(parts))
-        name, action = parts[1], parts[2]
-        if method != "POST":
-            raise _MethodNotAllowed(f"{method} not allowed on /v1/credentials/{name}/{action}")
-        crew: str | None = None
-        agent: str | None = None
-        if action == "grant":
-            grant = _decode(body, messages.GrantCredential)
-            crew, agent = grant.crew, grant.agent
-            info = store.grant(name, crew, agent)
-            done = "granted"
-            log.info("credential %s granted to crew %s", name, crew)
-        elif action == "revoke":
-            revoke = _decode(body, messages.RevokeCredential)
-            crew, agent = revoke.crew, revoke.agent
-            info = store.revoke(name, crew, agent)
-            done = "revoked"
-            log.info("credential %s revoked (%s)", name, crew or "every crew")
-        elif action == "rotate":
-            rotate = _decode(body, messages.RotateCredential)
+                info = self.store.add(add.name, add.provider, value, level=add.level, kind=add.kind)
+        except CredStoreError as exc:
+            raise CredentialError(exc) from None
+        self.refresh_scrubbers()  # granted or not, the journal must not show it
+        log.info(
+            "credential %s added (provider %s, level %s)", info.name, info.provider, info.level
+        )
+        await self._journal(recorder, info, "added")
+        return info_message(info)
+
+    async def grant(
+        self, name: str, grant: messages.GrantCredential, recorder: JournalRecorder
+    ) -> messages.CredentialInfo:
+        try:
+            info = self.store.grant(name, grant.crew, grant.agent)
+        except CredStoreError as exc:
+            raise CredentialError(exc) from None
+        log.info("credential %s granted to crew %s", name, grant.crew)
+        return await self._changed(info, "granted", recorder, grant.crew, grant.agent)
+
+    async def revoke(
+        self, name: str, revoke: messages.RevokeCredential, recorder: JournalRecorder
+    ) -> messages.CredentialInfo:
+        try:
+            info = self.store.revoke(name, revoke.crew, revoke.agent)
+        except CredStoreError as exc:
+            raise CredentialError(exc) from None
+        log.info("credential %s revoked (%s)", name, revoke.crew or "every crew")
+        return await self._changed(info, "revoked", recorder, revoke.crew, revoke.agent)
+
+    async def rotate(
+        self, name: str, rotate: messages.RotateCredential, recorder: JournalRecorder
+    ) -> messages.CredentialInfo:
+        try:
             with SecretValue(rotate.value) as value:
-                info = store.rotate(name, value, level=rotate.level)
-            done = "rotated"
-            log.info("credential %s rotated to version %d", name, info.version)
-        else:
-            raise _NotFound(f"no such endpoint: /v1/credentials/{name}/{action}")
+                info = self.store.rotate(name, value, level=rotate.level)
+        except CredStoreError as exc:
+            raise CredentialError(exc) from None
+        log.info("credential %s rotated to version %d", name, info.version)
+        return await self._changed(info, "rotated", recorder, None, None)
+
+    async def _changed(
+        self,
+        info: CredentialInfo,
+        done: str,
+        recorder: JournalRecorder,
+        crew: str | None,
+        agent: str | None,
+    ) -> messages.CredentialInfo:
         # Journaled before the push: whatever the proxy does, the store did change.
         await self._journal(recorder, info, done, crew=crew, agent=agent)
-        await self.push(info, done, recorder, crew=crew, agent=agent)
-        return 200, info_message(info)
+        try:
+            await self.push(info, done, recorder, crew=crew, agent=agent)
+        except CredStoreError as exc:
+            raise CredentialError(exc) from None
+        return info_message(info)
 
     @staticmethod
     async def _journal(

@@ -477,7 +477,7 @@ class CrewManager:
     # -- run --------------------------------------------------------------------------------
 
     async def run(
-        self, name: str, argv: tuple[str, ...], timeout: float | None
+        self, name: str, argv: tuple[str, ...], timeout: float | None, **attach: Any
     ) -> AsyncIterator[ExecOutput | ExecExited]:
         row = self._row(name)
         if row.phase is not CrewPhase.READY:
@@ -486,7 +486,8 @@ class CrewManager:
             raise InvalidRequest("argument argv: needs a command")
         if timeout is not None and timeout <= 0:
             raise InvalidRequest("argument timeout: must be > 0")
-        stream = self.provider.exec(name, list(argv), timeout=timeout)
+        # attach: stdin, tty, size for a provider with an attached exec (run_session.py)
+        stream = self.provider.exec(name, list(argv), timeout=timeout, **attach)
         return self.journal.run(name, argv, timeout, stream)
 
     # -- inspection -------------------------------------------------------------------------

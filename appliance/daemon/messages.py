@@ -2,7 +2,10 @@
 
 Requests are decoded with `forbid_unknown_fields`, so a misspelled field is an error that names
 it. Every error answer is `ErrorBody` with the HTTP status of the error (see errors.py). `run`
-answers with chunked JSON lines: `RunOutput` per line of output, then one `RunExit`.
+is upgraded to a session of frames (framing.py) whose EXIT frame carries a `RunExit` and whose
+ERROR frame a `RunError`. The journal's and the network report's answers have their own types
+here (`JournalEntry`, `NetReport`...), field for field those of appliance/journal and netns/
+(tests/test_daemon_client.py holds them equal), so that a client need not import either.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ class AllowHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RunCommand(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     argv: tuple[str, ...]
     timeout: float | None = None
+    stdin: bool = False  # STDIN frames reach the command's stdin (else it has none)
+    tty: bool = False  # the command runs on a TTY (stdout and stderr are then one stream)
+    rows: int | None = None  # the TTY's first window size
+    columns: int | None = None
 
 
 class ContainerInfo(msgspec.Struct, frozen=True):
@@ -116,16 +123,29 @@ class Status(msgspec.Struct, frozen=True):
     proxy_pids: tuple[int, ...] = ()  # every running proxy worker (proxy_pid is the first)
     proxy_uid: int | None = None  # the UID the workers drop to (None: they keep applianced's)
     proxy_workers: tuple[WorkerStatus, ...] = ()  # per worker: pid, uid, restarts, last exit
+    health: tuple[PartHealth, ...] = ()  # every part, judged (appliance/daemon/health.py)
 
 
-class RunOutput(msgspec.Struct, frozen=True):
-    stream: str
-    line: str
+class PartHealth(msgspec.Struct, frozen=True):
+    """One part of the appliance as `status` judges it: `appliancectl status` exits 9 (degraded)
+    when any is not ok."""
+
+    name: str  # "proxy", "engine", "journal"
+    ok: bool
+    detail: str
 
 
 class RunExit(msgspec.Struct, frozen=True):
     exit_code: int
     timed_out: bool = False
+
+
+class RunError(msgspec.Struct, frozen=True):
+    """The exec failed after the upgrade: what the request would have been answered."""
+
+    status: int
+    error: str
+    message: str
 
 
 class AddCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -193,5 +213,157 @@ class ErrorBody(msgspec.Struct, frozen=True):
     message: str
 
 
-RunEvent = RunOutput | RunExit
+# -- the journal's answers (appliance/journal/store.py's Row, Problem, VerifyReport) ------------
+
+
+class JournalEntry(msgspec.Struct, frozen=True):
+    seq: int
+    ts: float
+    type: str
+    workspace: str
+    crew: str | None
+    agent: str | None
+    mission: str | None
+    trace_id: str | None
+    summary: str
+    payload: str
+    prev_hash: str
+    hash: str
+
+
+class JournalEntries(msgspec.Struct, frozen=True):
+    entries: tuple[JournalEntry, ...]
+
+
+class JournalProblem(msgspec.Struct, frozen=True):
+    seq: int
+    kind: str
+    detail: str
+
+
+class JournalCheckpoint(msgspec.Struct, frozen=True):
+    """The signed checkpoint that accounts for the entries retention removed."""
+
+    seq: int
+    ts: float
+    removed_from_seq: int
+    removed_through_seq: int
+    removed_entries: int
+    removed_oldest_ts: float
+    removed_newest_ts: float
+    reason: str
+    key: str
+
+
+class JournalVerify(msgspec.Struct, frozen=True):
+    ok: bool
+    entries: int
+    head_seq: int
+    head_hash: str
+    anchor_seq: int | None
+    problem: JournalProblem | None = None
+    first_seq: int = 1
+    checkpoint: JournalCheckpoint | None = None
+    checkpoints: int = 0
+    keys: tuple[str, ...] = ()
+    anchor_from: str | None = None
+    keys_from_file: bool = False
+
+
+class JournalPrune(msgspec.Struct, frozen=True):
+    """POST /v1/journal/prune (retention.PruneRequest): a limit here replaces the configured."""
+
+    keep_days: float | None = None
+    keep_bytes: int | None = None
+    dry_run: bool = False
+
+
+class JournalPruned(msgspec.Struct, frozen=True):
+    """retention.PruneReport, the fields appliancectl shows."""
+
+    removed: int
+    through_seq: int
+    first_seq: int
+    checkpoint_seq: int | None
+    reason: str
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+    steps: int
+    longest_pause: float
+    rebuilt: bool = False
+    dry_run: bool = False
+
+
+class JournalBackup(msgspec.Struct, frozen=True):
+    """backup.BackupReport."""
+
+    path: str
+    entries: int
+    first_seq: int
+    head_seq: int
+    head_hash: str
+    taken: float
+    bytes: int
+    seconds: float
+    key: str
+
+
+# -- the network report (netns: manager.NetworkReport, CrewStatus, RuleCounter; kernel.LinkInfo,
+# InnerView) ------------------------------------------------------------------------------------
+
+
+class NetLink(msgspec.Struct, frozen=True):
+    ifname: str
+    index: int
+    kind: str | None
+    up: bool
+    addresses: tuple[str, ...] = ()
+    alias: str | None = None
+
+
+class NetInnerView(msgspec.Struct, frozen=True):
+    present: bool
+    up: bool = False
+    addresses: tuple[str, ...] = ()
+    default_gateway: str | None = None
+    ipv6_disabled: bool = True
+
+
+class NetCounter(msgspec.Struct, frozen=True):
+    role: str
+    comment: str
+    packets: int
+    bytes: int
+
+
+class NetCrew(msgspec.Struct, frozen=True):
+    crew: str
+    phase: str
+    ifname: str
+    subnet: str
+    gateway: str
+    address: str
+    netns: str | None
+    namespace_alive: bool
+    in_map: bool
+    host_end: NetLink | None
+    crew_end: NetInnerView | None
+    rules: tuple[NetCounter, ...]
+    accepted_packets: int
+    accepted_bytes: int
+    dropped_packets: int
+    dropped_bytes: int
+
+
+class NetReport(msgspec.Struct, frozen=True):
+    table: str
+    table_present: bool
+    base_differences: tuple[str, ...]
+    crews: tuple[NetCrew, ...]
+    counters: tuple[NetCounter, ...]
+    orphan_links: tuple[str, ...]
+    orphan_chains: tuple[str, ...]
+
+
 encoder = msgspec.json.Encoder()

@@ -218,7 +218,7 @@ class KeeperService:
                 room = MAX_OUTPUT_BYTES - len(output[item.stream])
                 truncated |= len(scrubbed) > room
                 output[item.stream] += scrubbed[: max(room, 0)]
-            else:
+            elif isinstance(item, ExecExited):  # never ExecAttached: not asked for
                 exited = item
         for name, stream in streams.items():
             output[name] += stream.flush()

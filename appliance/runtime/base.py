@@ -98,6 +98,22 @@ class ExecExited(msgspec.Struct, frozen=True):
     timed_out: bool = False
 
 
+class AttachedExec(Protocol):
+    """A running exec's input side (`docker exec -i -t`): the client's bytes, the end of its
+    input, a signal for the command's process group, its TTY's window size."""
+
+    async def write(self, data: bytes) -> None: ...
+    async def close_stdin(self) -> None: ...
+    async def signal(self, signum: int) -> None: ...
+    async def resize(self, rows: int, columns: int) -> None: ...
+
+
+class ExecAttached(msgspec.Struct, frozen=True):
+    """The first event of an attached exec (`exec(..., attach=True)`): its input side."""
+
+    handle: AttachedExec
+
+
 class RuntimeProvider(Protocol):
     name: str  # "docker" or "subprocess"
     isolated: bool  # False only for the subprocess provider ("no isolation")
@@ -112,6 +128,6 @@ class RuntimeProvider(Protocol):
         *,
         env: dict[str, str] | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[ExecOutput | ExecExited]: ...
+    ) -> AsyncIterator[ExecAttached | ExecOutput | ExecExited]: ...
     def remove_crew(self, crew: str, *, volumes: bool = False) -> None: ...  # idempotent
     def owned(self) -> list[OwnedContainer]: ...

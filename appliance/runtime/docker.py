@@ -80,6 +80,7 @@ from .base import (
     TMP_SIZE,
     ContainerRole,
     CrewSpec,
+    ExecAttached,
     ExecExited,
     ExecOutput,
     OwnedContainer,
@@ -109,7 +110,11 @@ MIN_MEMORY_BYTES = 32 * 1024 * 1024  # below this runc itself cannot start the c
 EXEC_MARKER = "APPLIANCE_EXEC_ID"
 # The exec wrapper: record the pid (sh stays the group leader, so killing the group kills the
 # command and its children), run the command, remove the record, keep the command's status.
+# The signals a client forwards (attached.py) go to the whole group; the wrapper catches them
+# (a handler, not an ignore: the command gets them with their default action) and so outlives
+# the command, whose status, e.g. a trap's `exit 42`, is then the exec's.
 EXEC_WRAPPER = (
+    "trap : HUP INT QUIT TERM USR1 USR2; "
     'f=/tmp/.appliance-exec-"$APPLIANCE_EXEC_ID".pid; echo $$ > "$f" 2>/dev/null; '
     '"$@"; s=$?; rm -f "$f"; exit $s'
 )
@@ -393,6 +398,8 @@ class DockerProvider:
 
     # --- exec ----------------------------------------------------------------------------------
 
+    attached_exec = True  # exec(..., attach=True): stdin, TTY, signals (attached.py)
+
     async def exec(
         self,
         crew: str,
@@ -400,7 +407,11 @@ class DockerProvider:
         *,
         env: dict[str, str] | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[ExecOutput | ExecExited]:
+        attach: bool = False,
+        stdin: bool = False,
+        tty: bool = False,
+        size: tuple[int, int] | None = None,
+    ) -> AsyncIterator[ExecAttached | ExecOutput | ExecExited]:
         check_exec_arguments(argv, timeout)
         for key in env or {}:
             if not key or "=" in key or key == EXEC_MARKER:
@@ -408,6 +419,17 @@ class DockerProvider:
         token = secrets.token_hex(8)
         environment = {**(env or {}), EXEC_MARKER: token}
         command = ["/bin/sh", "-c", EXEC_WRAPPER, "appliance-exec", *argv]
+        if attach:
+            from .attached import exec_attached
+
+            attached = exec_attached(
+                self, crew, command, environment, token,
+                timeout=timeout, stdin=stdin, tty=tty, size=size,
+            )  # fmt: skip
+            async with contextlib.aclosing(attached) as events:
+                async for event in events:
+                    yield event
+            return
         container_id, exec_id, stream = await trio.to_thread.run_sync(
             self._exec_open, crew, command, environment
         )
