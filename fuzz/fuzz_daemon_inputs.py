@@ -7,7 +7,7 @@ Byte 0 of the input chooses the target, the rest is the document:
 - 0: a TOML config (`parse_config`). Only `ConfigInvalid` escapes; a config that parses is a
   fixed point (rebuilt from its plain form, it checks to the same value), its bounds are
   ordered and finite, and its default crew settings lie inside them.
-- 1: a `crew create` body, decoded as the API does (`api._decode`), then
+- 1: a `crew create` body, decoded as the API does (`api.decode`), then
   `CrewManager.validate` against a real state store holding one crew and the no-isolation
   provider's runtimes. Only the daemon's own errors (`DaemonError`) escape; a request that
   passes has a name of the documented form with the prefix, a known mode, normalized and
@@ -30,7 +30,7 @@ import msgspec
 import trio
 
 from appliance.daemon import messages
-from appliance.daemon.api import _decode
+from appliance.daemon.api import decode as _decode
 from appliance.daemon.config import ApplianceConfig, parse_config
 from appliance.daemon.config import check_config as check_appliance_config
 from appliance.daemon.crews import _NAME, MODES, CrewManager

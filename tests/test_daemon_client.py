@@ -203,6 +203,7 @@ def test_messages_mirror_the_journal_and_netns_types() -> None:
     """The client decodes the journal's and the network report's answers into messages.py's
     own types (it imports neither package): field for field the same."""
     from appliance.journal import store
+    from appliance.journal.verify import CheckpointInfo, VerifyReport
     from netns import manager
 
     def fields(kind: type) -> list[str]:
@@ -213,6 +214,7 @@ def test_messages_mirror_the_journal_and_netns_types() -> None:
         return list(kind.__struct_fields__)  # type: ignore[attr-defined]
 
     assert fields(messages.JournalEntry) == fields(store.Row)
-    assert fields(messages.JournalVerify) == fields(store.VerifyReport)
+    assert fields(messages.JournalVerify) == fields(VerifyReport)
+    assert fields(messages.JournalCheckpoint) == fields(CheckpointInfo)
     assert fields(messages.NetReport) == fields(manager.NetworkReport)
     assert fields(messages.NetCrew) == fields(manager.CrewStatus)

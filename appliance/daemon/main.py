@@ -52,7 +52,7 @@ from proxycore import control
 from proxycore.privileges import forbid_core_dumps
 
 from . import messages
-from .api import AdminServer
+from .admin_server import AdminServer
 from .config import ApplianceConfig, config_file, load_config, metrics_address
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
@@ -467,9 +467,8 @@ def check_file(path: str | None, *, as_json: bool, prog: str) -> int:
     return print_check(check_configuration(config, source), as_json=as_json, prog=prog)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`applianced [--config FILE] [--check [--json]]`: the control plane in the foreground (what
-    a service manager runs), or only the checks it makes at start."""
+def build_parser() -> argparse.ArgumentParser:
+    """applianced's command line (also read by the test that checks the docs' commands)."""
     parser = argparse.ArgumentParser(
         prog="applianced",
         description="the appliance's control plane, in the foreground (docs/daemon.md)",
@@ -485,7 +484,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="check the configuration and this host against it, then exit (0 valid, 2 not)",
     )
     parser.add_argument("--json", action="store_true", help="with --check: the report as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`applianced [--config FILE] [--check [--json]]`: the control plane in the foreground (what
+    a service manager runs), or only the checks it makes at start."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     if args.check:
         return check_file(args.config, as_json=args.json, prog="applianced")
