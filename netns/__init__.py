@@ -12,10 +12,11 @@ Modules, from the bottom up: `config` (frozen settings), `addressing` (the addre
 This package imports nothing from `appliance/` or `proxycore/`.
 """
 
-from .addressing import CrewPlan, interface_name
+from .addressing import CrewPlan, Naming, check_instance_id, instance_tag, interface_name, naming
 from .config import DEFAULT_POOL, DEFAULT_PROXY_PORT, NetConfig, validate_config
 from .errors import (
     CrewNetworkError,
+    InstanceConflictError,
     KernelError,
     NetConfigError,
     NetnsError,
@@ -49,9 +50,11 @@ __all__ = [
     "CrewRecord",
     "CrewStatus",
     "InnerView",
+    "InstanceConflictError",
     "KernelError",
     "LibNftables",
     "LinkInfo",
+    "Naming",
     "NetConfig",
     "NetConfigError",
     "NetnsError",
@@ -66,8 +69,11 @@ __all__ = [
     "ReconcileReport",
     "RuleCounter",
     "StateError",
+    "check_instance_id",
     "default_backend",
+    "instance_tag",
     "interface_name",
+    "naming",
     "netns_of_pid",
     "validate_config",
 ]

@@ -97,6 +97,9 @@ class SubprocessProvider:
 
             shutil.rmtree(self.base_dir / crew, ignore_errors=True)
 
+    def adopt(self, container_ids: set[str], legacy_crews: set[str]) -> None:
+        """Nothing to adopt: this provider's crews live as long as its process."""
+
     def owned(self) -> list[OwnedContainer]:
         with self._lock:
             return [
