@@ -16,9 +16,10 @@ IFNAMSIZ-1 = 15 characters. Collisions are checked anyway (`CrewNetworks` refuse
 whose name would collide).
 
 Instances. Several appliances may share a host; each has an *instance id* (`check_instance_id`:
-1-16 lowercase letters or digits, which fits a Docker label, a container or volume name, an
-nftables table name and a namespace name as it is). Its kernel objects carry it (`naming`):
-the table is `<table>_<instance>`, and the interface prefix is the configured prefix plus a
+1-16 lowercase letters, digits or inner '-', which fits a Docker label, a container or volume
+name and a namespace name as it is). Its kernel objects carry it (`naming`): the table is
+`<table>_<instance>` with '-' written '_' (nft(8) identifiers take no '-'; ids take no '_', so
+no two ids give one table), and the interface prefix is the configured prefix plus a
 3-character tag of the instance (base32 of SHA-256(instance id), 15 bits): the id itself does
 not fit beside a crew hash in 15 characters. With the default prefix "apx" an interface is
 `apx` + tag + 9 hex digits of the crew (36 bits). Two instances whose tags collide (about 1 in
@@ -43,10 +44,10 @@ SUBNET_PREFIXLEN = 30
 SUBNET_SIZE = 4
 # Crew ids appear in interface comments, nft rule comments and log prefixes: keep them plain.
 _CREW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
-# An instance id goes into Docker labels and container, volume, nftables table and namespace
-# names as it is: the characters all of them accept (nft table names take no '-', and Docker
-# volume names are case-sensitive where the others are not).
-_INSTANCE_ID = re.compile(r"[a-z0-9]{1,16}")
+# An instance id goes into Docker labels and container, volume and namespace names as it is:
+# the characters all of them accept (Docker volume names are case-sensitive where the others are
+# not), no '_' and no '.' (nft table names and Docker names use them to set the id apart).
+_INSTANCE_ID = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,14}[a-z0-9])?")
 INSTANCE_TAG_LENGTH = 3
 
 
@@ -82,7 +83,10 @@ def check_crew_id(crew: str) -> str:
 
 def check_instance_id(instance: str) -> str:
     if not isinstance(instance, str) or not _INSTANCE_ID.fullmatch(instance):
-        raise NetConfigError(f"instance id {instance!r}: must be 1-16 lowercase letters or digits")
+        raise NetConfigError(
+            f"instance id {instance!r}: must be 1-16 lowercase letters, digits or '-' "
+            "(not first or last)"
+        )
     return instance
 
 
@@ -106,7 +110,8 @@ def naming(table: str, ifname_prefix: str, instance: str | None) -> Naming:
     """The configured table and prefix, marked with the instance id (if any)."""
     if instance is None:
         return Naming(table, ifname_prefix)
-    return Naming(f"{table}_{instance}", ifname_prefix + instance_tag(instance), instance)
+    table = f"{table}_{instance.replace('-', '_')}"
+    return Naming(table, ifname_prefix + instance_tag(instance), instance)
 
 
 def interface_name(prefix: str, crew: str) -> str:

@@ -549,8 +549,10 @@ class CrewNetworks:
                 if old is not None
                 else ()
             )
-            self.check_pool(old_links)
+            # The claims first: an appliance configured alike has its crews in this pool too,
+            # and that it is another appliance is the better reason to give.
             old_table = self._check_claims(old, old_links)
+            self.check_pool(old_links)
             changes: list[Change] = []
             if old is not None:
                 changes += self._rename(old, old_links, old_table)

@@ -1,6 +1,7 @@
-"""A real applianced for the tests: its own state directory, admin socket, address pool, nftables
-table, interface prefix and crew-name prefix, so it never touches anything it did not create
-(another test session's crews, or a real appliance's)."""
+"""A real applianced for the tests: its own state directory, admin socket, address pool, instance
+id (so its own nftables table, interface prefix, container and volume labels), and crew-name
+prefix, so it never touches anything it did not create (another test session's crews, or a real
+appliance's)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class Appliance:
     proxy_workers: int = 2  # [proxy] workers (the daemon's default is one per CPU)
     process: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
+    # False: no `daemon.instance` in the config (the daemon derives one from its state directory).
+    configure_instance: bool = True
 
     def __post_init__(self) -> None:
         for _ in range(20):
@@ -87,9 +90,35 @@ class Appliance:
         self.state_dir = self.tmp / "state"
         self.socket = self.tmp / "run" / "admin.sock"
         self.config = self.tmp / "appliance.toml"
-        self.table = f"appliance_test_{self.tag}"
-        self.prefix = f"t{self.tag}"
+        # What the config says; the daemon marks them with its instance id (`table`, `prefix`).
+        self.config_table = f"appliance_test_{self.tag}"
+        self.config_prefix = f"t{self.tag}"
         self.name_prefix = f"t{self.tag}-"
+        self.configured_instance = f"t{self.tag}"
+
+    @property
+    def instance(self) -> str | None:
+        """The daemon's instance id: the configured one, else what its state records (None
+        before its first start)."""
+        if self.configure_instance:
+            return self.configured_instance
+        rows = self._query("SELECT value FROM meta WHERE key='instance_id'")
+        return str(rows[0][0]) if rows else None
+
+    def _naming(self) -> Any:
+        from netns import naming
+
+        return naming(self.config_table, self.config_prefix, self.instance)
+
+    @property
+    def table(self) -> str:
+        """The daemon's nftables table (family inet)."""
+        return str(self._naming().table)
+
+    @property
+    def prefix(self) -> str:
+        """What the daemon's interface names start with."""
+        return str(self._naming().ifname_prefix)
 
     def crew(self, short: str) -> str:
         return f"{self.name_prefix}{short}"
@@ -103,7 +132,7 @@ class Appliance:
 state_dir = "{self.state_dir}"
 admin_socket = "{self.socket}"
 proxy_port = {self.port}
-{extra}
+{self._instance_line()}{extra}
 [images]
 agent = "{agent}"
 infra = "{infra}"
@@ -115,8 +144,8 @@ infra_pool = {self.infra_pool}
 
 [net]
 pool = "{self.pool}"
-table = "{self.table}"
-ifname_prefix = "{self.prefix}"
+table = "{self.config_table}"
+ifname_prefix = "{self.config_prefix}"
 
 [proxy]
 workers = {self.proxy_workers}
@@ -139,6 +168,9 @@ ssrf_allow = ["127.0.0.0/8"]
 resolve = {{ {resolve} }}
 """
         )
+
+    def _instance_line(self) -> str:
+        return f'instance = "{self.configured_instance}"\n' if self.configure_instance else ""
 
     def start(self, env: dict[str, str] | None = None) -> None:
         log = self.tmp / f"applianced-{len(self.logs)}.log"
@@ -261,7 +293,7 @@ resolve = {{ {resolve} }}
                 "ps",
                 "-a",
                 "--filter",
-                "label=io.agent-appliance.owner",
+                f"label=io.agent-appliance.instance={self.instance}",
                 "--format",
                 '{{.Label "io.agent-appliance.crew"}} {{.State}}',
             ],
@@ -310,19 +342,29 @@ resolve = {{ {resolve} }}
 
     def cleanup(self) -> None:
         self.stop()
-        # By name, not by crew: a crew that took a pool slot keeps the slot's infra container
-        # (appliance-<prefix>pool_<id>-infra), which a name made from the crew's would miss.
+        instance = self.instance
+        if instance is None:  # never started: nothing made
+            return
+        # By the instance label: a crew that took a pool slot keeps the slot's infra container,
+        # which a name made from the crew's would miss, and a crew-name prefix may be "".
+        label = f"label=io.agent-appliance.instance={instance}"
         ours = subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"name=^/appliance-{self.name_prefix}"],
-            capture_output=True,
-            text=True,
+            ["docker", "ps", "-aq", "--filter", label], capture_output=True, text=True
         ).stdout.split()
         if ours:
             subprocess.run(["docker", "rm", "-f", *ours], capture_output=True)
         for link in self.links(include_pool=True):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        volumes = subprocess.run(
+            ["docker", "volume", "ls", "-q", "--filter", label], capture_output=True, text=True
+        ).stdout.split()
+        if volumes:
+            subprocess.run(["docker", "volume", "rm", "-f", *volumes], capture_output=True)
         remove_volumes(self.name_prefix)
+        from appliance.daemon.instance import lock_path
+
+        lock_path("/run/agent-appliance-keeper", instance).unlink(missing_ok=True)
 
 
 def new_appliance(tmp: Path, provider_port: int, plain_port: int, ca_file: str) -> Appliance:
@@ -330,6 +372,8 @@ def new_appliance(tmp: Path, provider_port: int, plain_port: int, ca_file: str) 
 
 
 def remove_volumes(prefix: str) -> None:
+    if not prefix:  # "appliance-*" is every appliance's
+        return
     out = subprocess.run(
         ["docker", "volume", "ls", "-q", "--filter", f"name=appliance-{prefix}"],
         capture_output=True,

@@ -614,8 +614,8 @@ def test_remove_crew_leaves_nothing_and_is_idempotent(provider, client, image, c
     assert [c for c in provider.owned() if c.crew == crew] == []
     # Volumes stay unless asked (the crew's home survives a restart of its containers).
     assert sorted(crew_leftovers(provider, client, crew)) == [
-        f"volume appliance-{crew}-home-{INSTANCE}",
-        f"volume appliance-{crew}-tools-{INSTANCE}",
+        f"volume appliance-{crew}-home.{INSTANCE}",
+        f"volume appliance-{crew}-tools.{INSTANCE}",
     ]
     provider.remove_crew(crew)  # again: nothing to do, no error
     provider.remove_crew(crew, volumes=True)
@@ -650,7 +650,7 @@ def test_failed_agent_creation_is_rolled_back(provider, client, image, crew) -> 
     spec = spec_for(crew, image)
     # A container squatting the agent's name makes the engine refuse the agent container,
     # after start_agent has created the crew's volumes.
-    squatter = client.containers.create(image, ["true"], name=f"appliance-{crew}-agent-{INSTANCE}")
+    squatter = client.containers.create(image, ["true"], name=f"appliance-{crew}-agent.{INSTANCE}")
     try:
         # start_agent undoes its own work (the volumes it created); the infra is the caller's,
         # created by an earlier call...
@@ -720,15 +720,15 @@ def test_instances_see_and_remove_only_their_own(client, image) -> None:  # type
                 for c in client.api.containers(all=True, filters={"id": sorted(mine[provider])})
             }
             assert names == {
-                f"/appliance-{crew}-infra-{provider.instance}",
-                f"/appliance-{crew}-agent-{provider.instance}",
+                f"/appliance-{crew}-infra.{provider.instance}",
+                f"/appliance-{crew}-agent.{provider.instance}",
             }
         one.remove_crew(crew, volumes=True)
         assert [c for c in one.owned() if c.crew == crew] == []
         assert {c.container_id for c in two.owned() if c.crew == crew} == mine[two]
         assert sorted(two.owned_volumes()) == [
-            f"appliance-{crew}-home-{two.instance}",
-            f"appliance-{crew}-tools-{two.instance}",
+            f"appliance-{crew}-home.{two.instance}",
+            f"appliance-{crew}-tools.{two.instance}",
         ]
         assert client.containers.get(legacy.id).status == "created"  # untouched
         # Adopted by id (the daemon's state names it), it is the instance's to list and remove.

@@ -26,7 +26,7 @@ import msgspec
 
 from appliance.keeper.gatekeeper import GatekeeperConfig, GatekeeperConfigError
 from appliance.runtime.base import AGENT_UID
-from netns import NetConfig, NetnsError, validate_config
+from netns import NetConfig, NetnsError, check_instance_id, validate_config
 from proxycore.config import (
     DEFAULT_PORT,
     EventsConfig,
@@ -64,6 +64,10 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Runtime files that the proxy workers must reach (the keeper's socket), each applianced in
     # a directory of its own below this one; appliance/daemon/main.py keeper_dir.
     run_dir: str = "/run/agent-appliance-keeper"
+    # This appliance's instance id (1-16 of a-z, 0-9, inner '-'): everything it makes on the host
+    # carries it, and it touches nothing that does not (appliance/daemon/instance.py). None: the
+    # id recorded in the state, or at the first start one derived from the state directory.
+    instance: str | None = None
 
 
 class ImagesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -209,6 +213,11 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
             "applianced journals the proxy's events itself (each worker sends them over its "
             "events channel); remove the key",
         )
+    if daemon.instance is not None:
+        try:
+            check_instance_id(daemon.instance)
+        except NetnsError as exc:
+            raise fail("daemon.instance", str(exc)) from None
     if not daemon.provider:
         raise fail("daemon.provider", "must be 'docker' or 'module:factory'")
     crews = config.crews

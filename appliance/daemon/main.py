@@ -48,6 +48,7 @@ from .config import ApplianceConfig
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
+from .instance import derive_instance_id, lock_instance
 from .proxy import ProxyPool
 from .state import CrewPhase, StateStore
 
@@ -108,6 +109,8 @@ class Daemon:
         self.started = time.time()
         self.reconcile_changes: tuple[str, ...] = ()
         self._lock_fd: int | None = None
+        self._instance_fd: int | None = None
+        self.instance = ""
         self.networks: CrewNetworks
         self.crews: CrewManager
         self.proxy: ProxyPool
@@ -167,7 +170,23 @@ class Daemon:
         except BaseException:
             credentials.close()
             raise
-        networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
+        try:
+            # Before anything is touched: everything this daemon makes, lists or removes
+            # carries its instance id (instance.py).
+            instance = store.instance_id(
+                self.config.daemon.instance, derive_instance_id(self.state_dir)
+            )
+            self._instance_fd = lock_instance(self.config.daemon.run_dir, instance, self.state_dir)
+            self.provider.bind_instance(instance)
+            self.provider.adopt(*store.adoptable())
+            networks = CrewNetworks(
+                self.config.net_config(), self.state_dir / "net", instance=instance
+            )
+        except BaseException:
+            store.close()
+            credentials.close()
+            raise
+        self.instance = instance
         journal = Journal(self.state_dir / JOURNAL_FILE)
         recorder = JournalRecorder(journal, on_backpressure=self._audit_paused)
         try:
@@ -237,7 +256,8 @@ class Daemon:
                 await nursery.start(AdminServer(self).serve, self.config.daemon.admin_socket)
                 print(
                     f"applianced: ready (pid {os.getpid()}, admin socket "
-                    f"{self.config.daemon.admin_socket}, provider {self.provider.name})",
+                    f"{self.config.daemon.admin_socket}, provider {self.provider.name}, "
+                    f"instance {self.instance})",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -256,6 +276,8 @@ class Daemon:
             journal.close()  # writes what is queued first
             store.close()
             credentials.close()
+            if self._instance_fd is not None:
+                os.close(self._instance_fd)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
 

@@ -119,6 +119,7 @@ class RuntimeProvider(Protocol):
         timeout: float | None = None,
     ) -> AsyncIterator[ExecOutput | ExecExited]: ...
     def remove_crew(self, crew: str, *, volumes: bool = False) -> None: ...  # idempotent
+    def bind_instance(self, instance: str) -> None: ...  # once, before anything is made
     def owned(self) -> list[OwnedContainer]: ...  # this instance's only
     # Containers recorded in the daemon's state that carry no instance label (made before
     # instance ids) are this instance's too; `legacy_crews` keep their volumes' former names.

@@ -16,8 +16,8 @@ and calls `remove_crew` on failure. Everything carries the labels of base.py, so
 `remove_crew()` find it after a crash as well.
 
 Instances. A provider belongs to one appliance instance (`instance=`): its containers and
-volumes carry `io.agent-appliance.instance=<id>` and end their names in `-<id>`
-(`appliance-<crew>-<role>-<id>`, `appliance-<crew>-home-<id>`: names are unique on the engine,
+volumes carry `io.agent-appliance.instance=<id>` and end their names in `.<id>`
+(`appliance-<crew>-<role>.<id>`, `appliance-<crew>-home.<id>`: names are unique on the engine,
 and two instances may have crews of one name), and everything it lists, adopts or removes is
 selected by that label, so it never touches another instance's crews, nor containers with no
 instance label. The exception is what the daemon hands to `adopt()`: containers made before
@@ -146,14 +146,15 @@ def volume_labels(instance: str, crew: str) -> dict[str, str]:
 
 
 def container_name(instance: str, crew: str, role: ContainerRole) -> str:
-    # The instance last: "appliance-<crew>-" still starts every name of a crew, and an
-    # instance id has no '-', so the name reads back unambiguously from the right.
-    return f"appliance-{crew}-{role.value}-{instance}"
+    # The instance last, after a '.': "appliance-<crew>-" still starts every name of a crew,
+    # and neither crew names nor instance ids have a '.', so no two (crew, instance) pairs
+    # give one name (with a '-' they could: crew "a" of "b-agent-c" and "a-agent-b" of "c").
+    return f"appliance-{crew}-{role.value}.{instance}"
 
 
 def volume_names(instance: str, crew: str) -> dict[str, str]:
     """Container path -> the crew's named volume for it."""
-    return {HOME: f"appliance-{crew}-home-{instance}", TOOLS: f"appliance-{crew}-tools-{instance}"}
+    return {HOME: f"appliance-{crew}-home.{instance}", TOOLS: f"appliance-{crew}-tools.{instance}"}
 
 
 def legacy_volume_names(crew: str) -> dict[str, str]:
@@ -205,6 +206,17 @@ class DockerProvider:
     def connect(cls, base_url: str | None = None, *, instance: str | None = None) -> DockerProvider:
         client, _report = detect_engine(base_url)
         return cls(client, instance=instance)
+
+    def bind_instance(self, instance: str) -> None:
+        """Give a provider made without an instance (applianced makes its provider before it
+        reads the id from its state) its id, once: it never changes under a provider."""
+        try:
+            check_instance_id(instance)
+        except NetConfigError as exc:
+            raise InvalidSpec("instance", str(exc)) from None
+        if self.instance not in (None, instance):
+            raise InvalidSpec("instance", f"this provider is instance {self.instance!r}'s")
+        self.instance = instance
 
     def _instance(self) -> str:
         if self.instance is None:
