@@ -77,6 +77,8 @@ class Appliance:
     logs: list[Path] = field(default_factory=list)
     # False: no `daemon.instance` in the config (the daemon derives one from its state directory).
     configure_instance: bool = True
+    # Run by an applianced from before instance ids (its objects carry the configured names).
+    legacy: bool = False
 
     def __post_init__(self) -> None:
         for _ in range(20):
@@ -172,18 +174,21 @@ resolve = {{ {resolve} }}
     def _instance_line(self) -> str:
         return f'instance = "{self.configured_instance}"\n' if self.configure_instance else ""
 
-    def start(self, env: dict[str, str] | None = None) -> None:
+    def start(self, env: dict[str, str] | None = None, *, tree: Path | None = None) -> None:
+        """`tree`: the source tree to run applianced from (another version's), else this one."""
         log = self.tmp / f"applianced-{len(self.logs)}.log"
         self.logs.append(log)
         environment = proxy_env()
         environment.update(env or {})
+        if tree is not None:
+            environment["PYTHONPATH"] = str(tree)
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "appliance.cli", "up", "--config", str(self.config)],
                 env=environment,
                 stdout=out,
                 stderr=out,
-                cwd=ROOT,
+                cwd=tree or ROOT,
             )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -343,7 +348,9 @@ resolve = {{ {resolve} }}
     def cleanup(self) -> None:
         self.stop()
         instance = self.instance
-        if instance is None:  # never started: nothing made
+        if self.legacy:  # what it made before an upgrade carries no instance label
+            self._cleanup_by_names()
+        if instance is None:  # never started (by this version)
             return
         # By the instance label: a crew that took a pool slot keeps the slot's infra container,
         # which a name made from the crew's would miss, and a crew-name prefix may be "".
@@ -365,6 +372,24 @@ resolve = {{ {resolve} }}
         from appliance.daemon.instance import lock_path
 
         lock_path("/run/agent-appliance-keeper", instance).unlink(missing_ok=True)
+
+    def _cleanup_by_names(self) -> None:
+        """What an applianced from before instance ids made: by the names of its config."""
+        if self.name_prefix:  # "appliance-" alone is every appliance's
+            ours = subprocess.run(
+                ["docker", "ps", "-aq", "--filter", f"name=^/appliance-{self.name_prefix}"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            if ours:
+                subprocess.run(["docker", "rm", "-f", *ours], capture_output=True)
+        out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            link = line.split(":")[1].strip().split("@")[0]
+            if link.startswith(self.config_prefix) and len(link) == 15:
+                subprocess.run(["ip", "link", "del", link], capture_output=True)
+        subprocess.run(["nft", "delete", "table", "inet", self.config_table], capture_output=True)
+        remove_volumes(self.name_prefix)
 
 
 def new_appliance(tmp: Path, provider_port: int, plain_port: int, ca_file: str) -> Appliance:

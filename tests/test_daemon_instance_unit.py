@@ -51,6 +51,8 @@ def test_the_state_records_the_id_and_keeps_it(tmp_path: Path) -> None:
     store = StateStore(tmp_path)
     try:
         assert store.instance_id(None, "derived1") == "derived1"
+        assert store.instance_id(None, "derived2") == "derived2"  # not recorded yet
+        store.record_instance_id("derived1")
         # Recorded: a moved directory (another derived id) keeps it.
         assert store.instance_id(None, "derived2") == "derived1"
         assert store.instance_id("derived1", "derived2") == "derived1"
@@ -63,6 +65,9 @@ def test_the_state_records_the_id_and_keeps_it(tmp_path: Path) -> None:
     configured = StateStore(tmp_path / "fresh")
     try:
         assert configured.instance_id("prod", "derived") == "prod"
+        configured.record_instance_id("prod")
+        configured.record_instance_id("other")  # the first one stays
+        assert configured.instance_id(None, "derived") == "prod"
     finally:
         configured.close()
 

@@ -9,6 +9,7 @@ A third started with the id of a running one is refused with a readable line.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -163,3 +164,119 @@ def test_two_instances_side_by_side_and_a_restart_of_each(make: MakeAppliance) -
     assert "Traceback" not in str(refused.value)
     assert (world(bare), world(other)) == before
     twin.configure_instance = False  # its cleanup must not take the other's id for its own
+    assert twin.instance is None  # the refused start recorded no id in its state
+
+
+# The last commit before instance ids: the applianced whose state and crews must migrate.
+BEFORE_INSTANCE_IDS = "1d20c89"
+
+
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """That applianced's source tree (git archive; the built native modules copied in: native/
+    is the same in both)."""
+    root = Path(__file__).parents[1]
+    tree = tmp_path_factory.mktemp("before-instance-ids")
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", BEFORE_INSTANCE_IDS], capture_output=True
+    )
+    if archive.returncode != 0:
+        pytest.skip(f"needs the git history (commit {BEFORE_INSTANCE_IDS}): a shallow clone?")
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    for built in (root / "native").glob("*.so"):
+        shutil.copy2(built, tree / "native" / built.name)
+    return tree
+
+
+def legacy_world(app: Appliance) -> dict[str, object]:
+    """What an applianced from before instance ids made: by the names of its config."""
+    listed = subprocess.run(
+        [
+            "docker",
+            "ps",
+            "-a",
+            "--filter",
+            f"name=^/appliance-{app.name_prefix}",
+            "--format",
+            "{{.ID}} {{.State}} {{.Names}} {{.Labels}}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    links = sorted(
+        name
+        for name in (line.split(":")[1].strip().split("@")[0] for line in out.splitlines())
+        if name.startswith(app.config_prefix)
+    )
+    table = subprocess.run(
+        ["nft", "-s", "list", "table", "inet", app.config_table], capture_output=True, text=True
+    ).stdout
+    return {"containers": sorted(listed.splitlines()), "links": links, "table": table}
+
+
+def test_crews_from_before_instance_ids_are_adopted_by_their_own_only(
+    make: MakeAppliance, old_tree: Path
+) -> None:
+    """Two appliances of the former version (partitioned by their config, as they had to be),
+    each with a crew and a pool slot. One is upgraded: it adopts its crew and slot (the same
+    containers, kept running, in the same namespaces; its network renamed, with the same
+    gateway) and serves its crew again. The other's containers, links and table stay as they
+    are, also when a new instance with the default empty crew-name prefix starts beside them."""
+    upgraded = make("upgraded", configure_instance=False, legacy=True)
+    kept_old = make("kept-old", configure_instance=False, legacy=True)
+    crew = upgraded.crew("x")
+    for app in (upgraded, kept_old):
+        app.start(tree=old_tree)
+        app.wait_pool()
+        done = app.ctl("crew", "create", app.crew("x"), *REACH_TEST_HOSTS)
+        assert done.returncode == 0, (done.stderr, app.log_text()[-3000:])
+    upgraded.stop()
+    before_upgrade = legacy_world(upgraded)
+    others = legacy_world(kept_old)
+    assert upgraded.instance is None  # the former state has none
+    assert "io.agent-appliance.instance" not in str(before_upgrade["containers"])
+    _, old_shown = kept_old.ctl_json("crew", "show", kept_old.crew("x"))
+
+    upgraded.start()  # this version, on the former state
+    instance = upgraded.instance
+    assert instance is not None and f"instance {instance})" in upgraded.log_text()
+    _, status = upgraded.ctl_json("status")
+    reconcile = status["reconcile"]
+    assert not any(crew in c and "re-created" in c for c in reconcile), reconcile
+    assert not any("no crew row" in c or "pool slot" in c for c in reconcile), reconcile
+    after = world(upgraded)  # what carries its instance id: its links and table
+    # The same three containers, running (adopted by the ids in its state: no instance label).
+    old_ids = {line.split()[0] for line in before_upgrade["containers"]}  # type: ignore[attr-defined]
+    running = {
+        line.split()[0]
+        for line in legacy_world(upgraded)["containers"]  # type: ignore[attr-defined]
+        if line.split()[1] == "running"
+    }
+    assert old_ids == running and len(old_ids) == 3, (before_upgrade, reconcile)
+    # Renamed: its links and table now carry the instance id; the former table is gone.
+    assert all(link.startswith(upgraded.prefix) for link in after["links"])  # type: ignore[attr-defined]
+    assert len(after["links"]) == 2 and after["table"]  # type: ignore[arg-type]
+    assert legacy_world(upgraded)["table"] == ""
+    _, shown = upgraded.ctl_json("crew", "show", crew)
+    assert shown["crew"]["phase"] == "ready"
+    crew_works(upgraded, crew)
+    assert legacy_world(kept_old) == others
+    crew_works(kept_old, kept_old.crew("x"))
+
+    # A new instance with the default empty crew-name prefix: the former version's containers
+    # carry the appliance's labels and no instance id, and its state does not name them.
+    bare = make("bare", name_prefix="", configure_instance=False, infra_pool=0)
+    bare.start()
+    _, status = bare.ctl_json("status")
+    assert [c.split(" inet")[0] for c in status["reconcile"]] == ["network: created table"]
+    assert legacy_world(kept_old) == others
+    assert legacy_world(upgraded)["containers"] == before_upgrade["containers"]
+    _, still = kept_old.ctl_json("crew", "show", kept_old.crew("x"))
+    assert still == old_shown
+    # Removing the adopted crew removes its (former) containers; its free pool slot stays.
+    assert upgraded.ctl("crew", "rm", crew).returncode == 0
+    left = [line.split() for line in legacy_world(upgraded)["containers"]]  # type: ignore[attr-defined]
+    (slot,) = upgraded.pool_slots()
+    assert [name for cid, _, name, *_ in left if cid in old_ids] == [f"appliance-{slot}-infra"]

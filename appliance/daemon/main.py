@@ -177,6 +177,7 @@ class Daemon:
                 self.config.daemon.instance, derive_instance_id(self.state_dir)
             )
             self._instance_fd = lock_instance(self.config.daemon.run_dir, instance, self.state_dir)
+            store.record_instance_id(instance)
             self.provider.bind_instance(instance)
             self.provider.adopt(*store.adoptable())
             networks = CrewNetworks(

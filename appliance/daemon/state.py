@@ -183,20 +183,25 @@ class StateStore:
         return None if row is None else str(row["value"])
 
     def instance_id(self, configured: str | None, derived: str) -> str:
-        """The instance id this state belongs to: recorded at the first start (the configured
-        one, else `derived`), the same ever after. A configured id that differs from the
-        recorded one is refused: the crews' containers and networks carry the recorded one."""
+        """The instance id this state belongs to: the recorded one (`record_instance_id`, at
+        the first start), else the configured one, else `derived`. A configured id that differs
+        from the recorded one is refused: the crews' containers and networks carry that one."""
         recorded = self._meta("instance_id")
         if recorded is None:
-            recorded = configured or derived
-            self.db.execute("INSERT INTO meta(key, value) VALUES ('instance_id', ?)", (recorded,))
-        elif configured is not None and configured != recorded:
+            return configured or derived
+        if configured is not None and configured != recorded:
             raise StateCorrupt(
                 f"{self.path.parent} belongs to instance {recorded!r} (its crews carry that id), "
                 f"the configuration says `daemon.instance` = {configured!r}: set it to "
                 f"{recorded!r}, or give the new id a new state directory"
             )
         return recorded
+
+    def record_instance_id(self, instance: str) -> None:
+        """Keep the id for every later start (once this daemon holds it: instance.py)."""
+        self.db.execute(
+            "INSERT OR IGNORE INTO meta(key, value) VALUES ('instance_id', ?)", (instance,)
+        )
 
     def adoptable(self) -> tuple[set[str], set[str]]:
         """(container ids, crew names) from before instance ids: the containers the rows name
