@@ -325,7 +325,8 @@ def cmd_status(args: argparse.Namespace, out: _Output) -> int:
     if code:
         return code
     lines = [
-        f"applianced pid {status['pid']}, state {status['state_dir']}",
+        f"applianced pid {status['pid']}, instance {status.get('instance')}, "
+        f"state {status['state_dir']}",
         f"provider {status['provider']} (isolated: {status['isolated']}), runtimes: "
         + ", ".join(status["runtimes"]),
         f"proxy workers {', '.join(map(str, status.get('proxy_pids') or ())) or 'none'} "

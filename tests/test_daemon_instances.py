@@ -111,6 +111,10 @@ def test_two_instances_side_by_side_and_a_restart_of_each(make: MakeAppliance) -
         done = app.ctl("crew", "create", crew, *REACH_TEST_HOSTS)
         assert done.returncode == 0, (done.stderr, app.log_text()[-3000:])
     assert bare.instance and bare.instance != other.instance
+    assert [app.ctl_json("status")[1]["instance"] for app in (bare, other)] == [
+        bare.instance,
+        other.instance,
+    ]
     assert bare.table != other.table and bare.prefix != other.prefix
     for app in (bare, other):
         shown = world(app)

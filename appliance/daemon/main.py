@@ -155,6 +155,7 @@ class Daemon:
             crews_ready=sum(1 for r in rows if r.phase is CrewPhase.READY),
             started=self.started,
             reconcile=self.reconcile_changes,
+            instance=self.instance,
             pool_size=self.config.crews.infra_pool,
             pool_ready=self.crews.pool_ready(),
             proxy_pids=self.proxy.pids,

@@ -116,6 +116,7 @@ class Status(msgspec.Struct, frozen=True):
     proxy_pids: tuple[int, ...] = ()  # every running proxy worker (proxy_pid is the first)
     proxy_uid: int | None = None  # the UID the workers drop to (None: they keep applianced's)
     proxy_workers: tuple[WorkerStatus, ...] = ()  # per worker: pid, uid, restarts, last exit
+    instance: str = ""  # the instance id (docs/daemon.md, "Instances")
 
 
 class RunOutput(msgspec.Struct, frozen=True):
