@@ -357,9 +357,7 @@ ifname_prefix = "{self.ifname_prefix}"
         for link in found.get("links", []):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         if found.get("nft table"):
-            subprocess.run(
-                ["nft", "delete", "table", "inet", self.net_table], capture_output=True
-            )
+            subprocess.run(["nft", "delete", "table", "inet", self.net_table], capture_output=True)
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,12 @@ import pytest
 
 from appliance.daemon.config import parse_config
 from appliance.daemon.errors import ConfigInvalid, Unavailable
-from appliance.daemon.instance import derive_instance_id, lock_instance, lock_path
+from appliance.daemon.instance import (
+    derive_instance_id,
+    lock_instance,
+    lock_path,
+    unlock_instance,
+)
 from appliance.daemon.state import SCHEMA_VERSION, StateCorrupt, StateStore
 from netns import check_instance_id
 
@@ -135,6 +140,11 @@ def test_one_id_is_held_by_one_daemon_at_a_time(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     os.close(lock_instance(tmp_path, "prod", "/state/two"))  # released with its holder
+    # Released by unlock_instance: the file goes too, and the id can be taken again.
+    fd = lock_instance(tmp_path, "prod", "/state/three")
+    unlock_instance(fd, tmp_path, "prod")
+    assert not lock_path(tmp_path, "prod").exists()
+    os.close(lock_instance(tmp_path, "prod", "/state/four"))
     with pytest.raises(ConfigInvalid):
         lock_instance(tmp_path, "Bad", "/state")
     assert Unavailable.status == 503

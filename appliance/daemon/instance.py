@@ -24,6 +24,7 @@ netns checks it a second way, before it changes anything: the owner token in its
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -58,20 +59,38 @@ def lock_instance(
         raise ConfigInvalid(f"`daemon.instance`: {exc}") from None
     path = lock_path(run_dir, instance)
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise Unavailable(
+                f"instance id {instance!r} is in use by another applianced ({holder}): two "
+                f"state directories were given one instance id (this one is "
+                f"{os.fspath(state_dir)}); give each its own `daemon.instance`, or leave it "
+                "unset (derived from the state directory)"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The holder unlinks the file as it exits (`unlock_instance`): a lock taken on the
+        # file it unlinked is no lock (a third process may have made a new one); open again.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
         os.close(fd)
-        raise Unavailable(
-            f"instance id {instance!r} is in use by another applianced ({holder}): two state "
-            f"directories were given one instance id (this one is {os.fspath(state_dir)}); give "
-            "each its own `daemon.instance`, or leave it unset (derived from the state directory)"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}, state directory {os.fspath(state_dir)}\n".encode(), 0)
     return fd
+
+
+def unlock_instance(fd: int, run_dir: str | os.PathLike[str], instance: str) -> None:
+    """Release the lock and remove its file (unlinked while held: see `lock_instance`)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock_path(run_dir, instance))
+    os.close(fd)

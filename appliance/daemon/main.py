@@ -48,7 +48,7 @@ from .config import ApplianceConfig
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
-from .instance import derive_instance_id, lock_instance
+from .instance import derive_instance_id, lock_instance, unlock_instance
 from .proxy import ProxyPool
 from .state import CrewPhase, StateStore
 
@@ -177,6 +177,7 @@ class Daemon:
             instance = store.instance_id(
                 self.config.daemon.instance, derive_instance_id(self.state_dir)
             )
+            self.instance = instance
             self._instance_fd = lock_instance(self.config.daemon.run_dir, instance, self.state_dir)
             store.record_instance_id(instance)
             self.provider.bind_instance(instance)
@@ -185,10 +186,12 @@ class Daemon:
                 self.config.net_config(), self.state_dir / "net", instance=instance
             )
         except BaseException:
+            if self._instance_fd is not None:
+                unlock_instance(self._instance_fd, self.config.daemon.run_dir, instance)
+                self._instance_fd = None
             store.close()
             credentials.close()
             raise
-        self.instance = instance
         journal = Journal(self.state_dir / JOURNAL_FILE)
         recorder = JournalRecorder(journal, on_backpressure=self._audit_paused)
         try:
@@ -279,7 +282,7 @@ class Daemon:
             store.close()
             credentials.close()
             if self._instance_fd is not None:
-                os.close(self._instance_fd)
+                unlock_instance(self._instance_fd, self.config.daemon.run_dir, self.instance)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
 
