@@ -8,7 +8,8 @@ anything forwarded) is counted and dropped. docs/netns.md has the design and thr
 
 Modules, from the bottom up: `config` (frozen settings), `addressing` (the address plan, pure),
 `state` (the persistent allocation file), `nft` (table layout and atomic transactions), `kernel`
-(netlink, namespaces, sysctls), `manager` (`CrewNetworks`: attach, detach, reconcile, show).
+(netlink, namespaces, sysctls), `instances` (the claims checked and the renames done before a
+reconcile), `manager` (`CrewNetworks`: attach, detach, reconcile, show).
 This package imports nothing from `appliance/` or `proxycore/`.
 """
 

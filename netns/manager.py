@@ -65,7 +65,6 @@ import msgspec
 from .addressing import (
     CrewPlan,
     Naming,
-    chain_name,
     check_crew_id,
     check_instance_id,
     first_free_index,
@@ -78,11 +77,11 @@ from .addressing import (
 from .config import NetConfig, validate_config
 from .errors import (
     CrewNetworkError,
-    InstanceConflictError,
     KernelError,
     NetnsError,
     PoolConflictError,
 )
+from .instances import check_claims, rename
 from .kernel import (
     HostNetwork,
     InnerView,
@@ -103,9 +102,7 @@ from .nft import (
     TableState,
     base_differences,
     default_backend,
-    interface_patterns,
     read_table,
-    table_claim,
 )
 from .state import CrewRecord, NetnsIdentity, NetState, Phase, StateStore
 
@@ -551,11 +548,25 @@ class CrewNetworks:
             )
             # The claims first: an appliance configured alike has its crews in this pool too,
             # and that it is another appliance is the better reason to give.
-            old_table = self._check_claims(old, old_links)
+            old_table = check_claims(
+                self._nft, self.layout, self.naming, self.owner, old, old_links
+            )
             self.check_pool(old_links)
             changes: list[Change] = []
             if old is not None:
-                changes += self._rename(old, old_links, old_table)
+                changes += [
+                    Change(*change)
+                    for change in rename(
+                        self._nft,
+                        self._host,
+                        self.layout,
+                        self.naming,
+                        old,
+                        old_links,
+                        [record.crew for record in self._state.crews],
+                        old_table,
+                    )
+                ]
             state = msgspec.structs.replace(self._state, naming=self.naming, owner=self.owner)
             kept: dict[str, tuple[CrewRecord, Namespace]] = {}
             try:
@@ -605,86 +616,6 @@ class CrewNetworks:
             if state != self._state:
                 self._save(state)
             return ReconcileReport(tuple(changes))
-
-    def _check_claims(self, old: Naming | None, old_links: tuple[str, ...]) -> TableState | None:
-        """Refuse (InstanceConflictError, before anything is changed) to run beside another
-        appliance that claims this one's names; returns the table under the former names (a
-        rename), if it exists. Only with an instance id: without one, the names are the
-        configuration's, as before instance ids."""
-        old_table = None
-        if old is not None and old.table != self.naming.table:
-            old_table = read_table(self._nft, Layout(old.table, 0, old.ifname_prefix, ()))
-        if self.instance is None:
-            return old_table
-        mine = self.prefix
-        keep_old = False
-        if old is not None and old_table is not None:
-            ours = {chain_name(ifname) for ifname in old_links}
-            others = sorted(
-                name
-                for name in old_table.chains
-                if name.startswith(CREW_CHAIN_PREFIX) and name not in ours
-            )
-            keep_old = bool(others)
-        for table, prefixes in sorted(interface_patterns(self._nft).items()):
-            if table == self.naming.table or (
-                old is not None and table == old.table and not keep_old
-            ):
-                continue
-            for prefix in sorted(prefixes):
-                if prefix.startswith(mine) or mine.startswith(prefix):
-                    raise InstanceConflictError(
-                        f"table inet {table} matches interfaces {prefix}*, and this appliance's "
-                        f"(instance {self.instance}) are {mine}*: its rules would judge this "
-                        "appliance's crews, and they its. If that table belongs to an appliance "
-                        "that is gone, delete it (and its links); otherwise give one of them "
-                        "another [net] ifname_prefix or instance id"
-                    )
-        current = read_table(self._nft, self.layout)
-        claim = table_claim(current) if current is not None else {}
-        if claim.get("owner") not in (None, self.owner):
-            raise InstanceConflictError(
-                f"table inet {self.naming.table} belongs to another appliance with instance id "
-                f"{self.instance} (owner {claim.get('owner')}, this one is {self.owner}): two "
-                "state directories were given one instance id; give each its own"
-            )
-        return old_table
-
-    def _rename(
-        self, old: Naming, old_links: tuple[str, ...], old_table: TableState | None
-    ) -> list[Change]:
-        """Take the crews' objects off their former names: links first (each crew is cut
-        off), then the former table (or this appliance's chains in it, if other crews still
-        use it). The rest of `reconcile` makes them again under the current names, rules
-        before links, like for any crew whose link is missing."""
-        changes: list[Change] = []
-        for ifname, record in zip(old_links, self._state.crews, strict=True):
-            if self._host.delete_link(ifname):
-                changes.append(Change("deleted link", f"{ifname} (former name)", record.crew))
-        if old_table is None:
-            return changes
-        ours = {chain_name(ifname): ifname for ifname in old_links}
-        others = [
-            name
-            for name in old_table.chains
-            if name.startswith(CREW_CHAIN_PREFIX) and name not in ours
-        ]
-        if others:
-            present = [ifname for chain, ifname in ours.items() if chain in old_table.chains]
-            self._nft.run(self.layout.remove_from(old.table, present))
-            changes.append(
-                Change(
-                    "removed rules",
-                    f"{len(present)} chains from inet {old.table}, which keeps "
-                    f"{len(others)} of another appliance",
-                )
-            )
-        else:
-            self._nft.run(self.layout.drop_table(old.table))
-            changes.append(
-                Change("deleted table", f"inet {old.table} (now inet {self.naming.table})")
-            )
-        return changes
 
     def _log_ignored_links(self) -> None:
         """Debug: links that look like an appliance's (the configured prefix) but are not this
