@@ -784,6 +784,14 @@ def test_a_provider_without_instance_touches_nothing(client) -> None:  # type: i
             call()
     with pytest.raises(InvalidSpec, match="instance id"):
         DockerProvider(client, instance="Bad-Id")
+    # applianced binds the id it reads from its state, once; never another after it.
+    with pytest.raises(InvalidSpec, match="instance id"):
+        bare.bind_instance("bad_id")
+    bare.bind_instance(f"{INSTANCE}-z")
+    bare.bind_instance(f"{INSTANCE}-z")
+    assert bare.owned() == []
+    with pytest.raises(InvalidSpec, match="instance"):
+        bare.bind_instance(INSTANCE)
 
 
 def test_runsc_processes_are_tied_to_their_container(provider, image, crew) -> None:  # type: ignore[no-untyped-def]
