@@ -53,6 +53,7 @@ import msgspec
 from appliance.demo_tls import server_context
 from appliance.demo_upstream import FakeServer, start_fake
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER
+from netns.addressing import naming
 
 ROOT = Path(__file__).resolve().parents[1]
 # An embedded, obviously fake key: the appliance holds it, the agent never sees it.
@@ -175,6 +176,9 @@ class DemoAppliance:
         self.ifname_prefix = f"d{tag}"
         self.name_prefix = f"demo{tag}-"
         self.crew = f"{self.name_prefix}crew"
+        # The daemon's table carries its instance id (docs/daemon.md, "Instances").
+        self.instance = f"demo{tag}"
+        self.net_table = naming(self.table, self.ifname_prefix, self.instance).table
         self.pool = ""
         self.process: subprocess.Popen[bytes] | None = None
         self.proxy_pids: tuple[int, ...] = ()
@@ -212,6 +216,7 @@ admin_socket = "{self.socket}"
 proxy_port = {PROXY_PORT}
 # If the tour stops half way, SIGTERM still tears the crew down.
 stop_crews_on_exit = true
+instance = "{self.instance}"
 {extra_daemon}
 [images]
 agent = "{agent}"
@@ -314,7 +319,7 @@ ifname_prefix = "{self.ifname_prefix}"
             if line.split(":")[1].strip().startswith(self.ifname_prefix)
         ]
         table = subprocess.run(
-            ["nft", "list", "table", "inet", self.table], capture_output=True, text=True
+            ["nft", "list", "table", "inet", self.net_table], capture_output=True, text=True
         )
         processes = [
             str(pid)
@@ -325,7 +330,7 @@ ifname_prefix = "{self.ifname_prefix}"
             ("containers", containers),
             ("volumes", volumes),
             ("links", links),
-            ("nft table", [self.table] if table.returncode == 0 else []),
+            ("nft table", [self.net_table] if table.returncode == 0 else []),
             ("processes", processes),
         ):
             if items:
@@ -343,7 +348,7 @@ ifname_prefix = "{self.ifname_prefix}"
         for link in found.get("links", []):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         if found.get("nft table"):
-            subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+            subprocess.run(["nft", "delete", "table", "inet", self.net_table], capture_output=True)
 
 
 def _alive(pid: int) -> bool:
@@ -395,8 +400,8 @@ def main(*, as_json: bool = False) -> int:
                 expect(not workdir.exists(), f"{workdir} still exists")
                 tour.say(
                     f"no container or volume named appliance-{app.name_prefix}*, no link "
-                    f"{app.ifname_prefix}*, no table inet {app.table}, applianced and its proxy "
-                    f"exited, {workdir} removed"
+                    f"{app.ifname_prefix}*, no table inet {app.net_table}, applianced and its "
+                    f"proxy exited, {workdir} removed"
                 )
         except TourFailed as exc:
             failed = exc
@@ -467,7 +472,7 @@ def _crew_tour(
         status = app.start()
         tour.say(
             f"applianced pid {status['pid']}, proxy workers {list(app.proxy_pids)}, state "
-            f"{app.state_dir}\npool {app.pool}, table inet {app.table}, interfaces "
+            f"{app.state_dir}\npool {app.pool}, table inet {app.net_table}, interfaces "
             f"{app.ifname_prefix}*, crews {app.name_prefix}*\nthe demo key is in "
             f"{app.key_file.name} (0600), read by the proxy only: {masked(DEMO_KEY)}"
         )
@@ -645,8 +650,8 @@ def _crew_tour(
             time.sleep(0.05)
         # applianced keeps its table between starts (the rules of running crews live in it);
         # this table was the demo's own.
-        subprocess.run(["nft", "delete", "table", "inet", app.table], capture_output=True)
-        tour.say(f"applianced exited 0; the demo's table inet {app.table} deleted")
+        subprocess.run(["nft", "delete", "table", "inet", app.net_table], capture_output=True)
+        tour.say(f"applianced exited 0; the demo's table inet {app.net_table} deleted")
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         status = app.start()
         print(
-            f"applianced pid {status['pid']} (pool {app.pool}, table {app.table}); "
+            f"applianced pid {status['pid']} (pool {app.pool}, table {app.net_table}); "
             f"agent image {images.agent}",
             flush=True,
         )

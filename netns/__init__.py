@@ -8,14 +8,16 @@ anything forwarded) is counted and dropped. docs/netns.md has the design and thr
 
 Modules, from the bottom up: `config` (frozen settings), `addressing` (the address plan, pure),
 `state` (the persistent allocation file), `nft` (table layout and atomic transactions), `kernel`
-(netlink, namespaces, sysctls), `manager` (`CrewNetworks`: attach, detach, reconcile, show).
+(netlink, namespaces, sysctls), `instances` (the claims checked and the renames done before a
+reconcile), `manager` (`CrewNetworks`: attach, detach, reconcile, show).
 This package imports nothing from `appliance/` or `proxycore/`.
 """
 
-from .addressing import CrewPlan, interface_name
+from .addressing import CrewPlan, Naming, check_instance_id, instance_tag, interface_name, naming
 from .config import DEFAULT_POOL, DEFAULT_PROXY_PORT, NetConfig, validate_config
 from .errors import (
     CrewNetworkError,
+    InstanceConflictError,
     KernelError,
     NetConfigError,
     NetnsError,
@@ -49,9 +51,11 @@ __all__ = [
     "CrewRecord",
     "CrewStatus",
     "InnerView",
+    "InstanceConflictError",
     "KernelError",
     "LibNftables",
     "LinkInfo",
+    "Naming",
     "NetConfig",
     "NetConfigError",
     "NetnsError",
@@ -66,8 +70,11 @@ __all__ = [
     "ReconcileReport",
     "RuleCounter",
     "StateError",
+    "check_instance_id",
     "default_backend",
+    "instance_tag",
     "interface_name",
+    "naming",
     "netns_of_pid",
     "validate_config",
 ]

@@ -11,13 +11,25 @@ plans and checks addresses. Whether an address is used by the host is decided by
 (a FIB lookup); `first_free_index` takes that check as a callback so that it stays pure.
 
 Interface names are derived from the crew id, not from the index, so that a name identifies a
-crew across restarts: the configured prefix plus hex digits of SHA-256(crew id), filling
-IFNAMSIZ-1 = 15 characters. With the default prefix "apx" that is 48 bits of hash: collisions
-are checked anyway (`CrewNetworks` refuses a second crew whose name would collide).
+crew across restarts: the interface prefix plus hex digits of SHA-256(crew id), filling
+IFNAMSIZ-1 = 15 characters. Collisions are checked anyway (`CrewNetworks` refuses a second crew
+whose name would collide).
+
+Instances. Several appliances may share a host; each has an *instance id* (`check_instance_id`:
+1-16 lowercase letters, digits or inner '-', which fits a Docker label, a container or volume
+name and a namespace name as it is). Its kernel objects carry it (`naming`): the table is
+`<table>_<instance>` with '-' written '_' (nft(8) identifiers take no '-'; ids take no '_', so
+no two ids give one table), and the interface prefix is the configured prefix plus a
+3-character tag of the instance (base32 of SHA-256(instance id), 15 bits): the id itself does
+not fit beside a crew hash in 15 characters. With the default prefix "apx" an interface is
+`apx` + tag + 9 hex digits of the crew (36 bits). Two instances whose tags collide (about 1 in
+32768 for a pair) are told apart at start: `CrewNetworks.reconcile` refuses to run beside
+another table whose interface pattern overlaps its own.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import ipaddress
 import re
@@ -32,6 +44,11 @@ SUBNET_PREFIXLEN = 30
 SUBNET_SIZE = 4
 # Crew ids appear in interface comments, nft rule comments and log prefixes: keep them plain.
 _CREW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+# An instance id goes into Docker labels and container, volume and namespace names as it is:
+# the characters all of them accept (Docker volume names are case-sensitive where the others are
+# not), no '_' and no '.' (nft table names and Docker names use them to set the id apart).
+_INSTANCE_ID = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,14}[a-z0-9])?")
+INSTANCE_TAG_LENGTH = 3
 
 
 class CrewPlan(msgspec.Struct, frozen=True):
@@ -62,6 +79,39 @@ def check_crew_id(crew: str) -> str:
             "starting with a letter or digit"
         )
     return crew
+
+
+def check_instance_id(instance: str) -> str:
+    if not isinstance(instance, str) or not _INSTANCE_ID.fullmatch(instance):
+        raise NetConfigError(
+            f"instance id {instance!r}: must be 1-16 lowercase letters, digits or '-' "
+            "(not first or last)"
+        )
+    return instance
+
+
+def instance_tag(instance: str) -> str:
+    """The instance's mark in interface names: 3 characters of base32 (a-z, 2-7)."""
+    digest = hashlib.sha256(check_instance_id(instance).encode()).digest()
+    return base64.b32encode(digest).decode().lower()[:INSTANCE_TAG_LENGTH]
+
+
+class Naming(msgspec.Struct, frozen=True):
+    """The names of an appliance's kernel objects: its nftables table (family inet) and the
+    prefix of its interfaces. `instance` is None for names taken from the config as they are
+    (a bare `CrewNetworks`, and the state of an appliance from before instance ids)."""
+
+    table: str
+    ifname_prefix: str
+    instance: str | None = None
+
+
+def naming(table: str, ifname_prefix: str, instance: str | None) -> Naming:
+    """The configured table and prefix, marked with the instance id (if any)."""
+    if instance is None:
+        return Naming(table, ifname_prefix)
+    table = f"{table}_{instance.replace('-', '_')}"
+    return Naming(table, ifname_prefix + instance_tag(instance), instance)
 
 
 def interface_name(prefix: str, crew: str) -> str:

@@ -31,6 +31,11 @@ class PoolConflictError(NetnsError):
         )
 
 
+class InstanceConflictError(NetnsError):
+    """Another appliance on the host holds names this one would use (its table, or interfaces
+    that its rules match): nothing was changed."""
+
+
 class PoolExhaustedError(NetnsError):
     """Every subnet of the pool is allocated or in use on the host."""
 

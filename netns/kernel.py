@@ -37,7 +37,7 @@ import ipaddress
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, TypeVar
 
 import msgspec
@@ -359,15 +359,20 @@ class HostNetwork:
 
     # Address-plan checks.
 
-    def host_uses(self, exclude_prefix: str) -> list[HostUse]:
-        """Every IPv4 address and route of the host, except those of the appliance's links."""
+    def host_uses(self, exclude_prefix: str, exclude_names: Collection[str] = ()) -> list[HostUse]:
+        """Every IPv4 address and route of the host, except those of the appliance's links
+        (names with the prefix, and `exclude_names`)."""
         uses: list[HostUse] = []
         with _converting("list host addresses and routes"):
             names = {
                 int(message["index"]): str(message.get_attr("IFLA_IFNAME"))
                 for message in self.ipr.get_links()
             }
-            ours = {index for index, name in names.items() if name.startswith(exclude_prefix)}
+            ours = {
+                index
+                for index, name in names.items()
+                if name.startswith(exclude_prefix) or name in exclude_names
+            }
             for message in self.ipr.get_addr(family=socket.AF_INET):
                 if message["index"] in ours:
                     continue

@@ -34,6 +34,17 @@ being torn down helps nobody); the phase stays DETACHING and `reconcile` finishe
 links, addresses and the table with the state file, removes what no crew owns, restores what a
 live crew is missing (rules first, then plumbing) and returns what it changed.
 
+Instances (`instance=`): the table and the interfaces carry the instance id (`naming` in
+addressing.py), so that everything `reconcile` lists and removes is this appliance's own: links
+of its own prefix, chains of its own table. Before it changes anything, `reconcile` checks that
+no other table on the host claims interfaces of its prefix (its tag could collide with another
+instance's) and that its table is not another appliance's with the same id (the owner token in
+the dispatch rule's comment); either refuses the start (`InstanceConflictError`). State from
+before instance ids (or from other names) is renamed: the crews' old links are deleted (each
+crew is cut off), the old table is deleted (or, if crews of another appliance still use it, only
+this appliance's chains are removed from it), then the new table and links are made as for any
+crew whose link is missing. Without `instance`, the names are the configuration's as they are.
+
 All methods are synchronous and blocking (netlink and nftables calls take milliseconds); a trio
 caller runs them with `trio.to_thread.run_sync`. One lock serializes them.
 """
@@ -41,6 +52,8 @@ caller runs them with `trio.to_thread.run_sync`. One lock serializes them.
 from __future__ import annotations
 
 import errno
+import hashlib
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -51,15 +64,24 @@ import msgspec
 
 from .addressing import (
     CrewPlan,
+    Naming,
     check_crew_id,
+    check_instance_id,
     first_free_index,
     interface_name,
+    naming,
     parse_pool,
     plan_for,
     pool_conflicts,
 )
 from .config import NetConfig, validate_config
-from .errors import CrewNetworkError, KernelError, NetnsError, PoolConflictError
+from .errors import (
+    CrewNetworkError,
+    KernelError,
+    NetnsError,
+    PoolConflictError,
+)
+from .instances import check_claims, rename
 from .kernel import (
     HostNetwork,
     InnerView,
@@ -85,6 +107,8 @@ from .nft import (
 from .state import CrewRecord, NetnsIdentity, NetState, Phase, StateStore
 
 StepCallback = Callable[[str, str], None]
+
+log = logging.getLogger("netns")
 
 
 class CrewNetwork(msgspec.Struct, frozen=True):
@@ -202,22 +226,42 @@ class CrewNetworks:
         *,
         nft: NftBackend | None = None,
         on_step: StepCallback | None = None,
+        instance: str | None = None,
     ) -> None:
         self.config = validate_config(config)
         self.pool = parse_pool(config.pool)
-        self.layout = Layout(
-            table=config.table,
-            priority=config.priority,
-            ifname_prefix=config.ifname_prefix,
-            proxy_ports=tuple(config.proxy_ports),
-            log_drops=config.log_drops,
-            log_rate_per_minute=config.log_rate_per_minute,
-        )
+        if instance is not None:
+            check_instance_id(instance)
+        self.instance = instance
+        # The names of this appliance's table and interfaces (the configured ones, marked
+        # with the instance id); `prefix` is what every interface name of it starts with.
+        self.naming = naming(config.table, config.ifname_prefix, instance)
+        self.prefix = self.naming.ifname_prefix
         self.on_step = on_step
         self._lock = threading.RLock()
         self._store = StateStore(state_dir)
         try:
+            fresh = not self._store.path.exists()
             self._state = self._store.load(config.pool)
+            if fresh:
+                # Nothing was ever made under other names.
+                self._state = msgspec.structs.replace(self._state, naming=self.naming)
+            # Whose table it is: kept in the state file, so a moved state directory keeps it;
+            # first made from the directory's path, so one that was emptied and started again
+            # in the same place takes its own table back (docs/netns.md, "Instances").
+            self.owner = (
+                self._state.owner
+                or hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]
+            )
+            self.layout = Layout(
+                table=self.naming.table,
+                priority=config.priority,
+                ifname_prefix=self.prefix,
+                proxy_ports=tuple(config.proxy_ports),
+                log_drops=config.log_drops,
+                log_rate_per_minute=config.log_rate_per_minute,
+                claim=f"instance={instance} owner={self.owner}" if instance else "",
+            )
             # A backend made here is closed here; one passed in belongs to the caller.
             self._owned_nft: LibNftables | NftCli | None = None
             if nft is None:
@@ -258,12 +302,23 @@ class CrewNetworks:
             return None if record is None else self._plan(record)
 
     def _plan(self, record: CrewRecord) -> CrewPlan:
-        return plan_for(self.pool, self.config.ifname_prefix, record.crew, record.index)
+        return plan_for(self.pool, self.prefix, record.crew, record.index)
 
-    def check_pool(self) -> None:
-        """Raise PoolConflictError if the host uses any part of the pool."""
+    def _old_naming(self) -> Naming | None:
+        """The names the state's objects were made under, if they are not the current ones
+        (state from before instance ids, or a changed table or prefix): `reconcile` renames."""
+        recorded = self._state.naming or Naming(self.config.table, self.config.ifname_prefix)
+        current = self.naming
+        if (recorded.table, recorded.ifname_prefix) == (current.table, current.ifname_prefix):
+            return None
+        return recorded
+
+    def check_pool(self, also_ours: tuple[str, ...] = ()) -> None:
+        """Raise PoolConflictError if the host uses any part of the pool (this appliance's own
+        links aside: those of its prefix, and `also_ours`, its links under former names)."""
         with self._lock, self._host.session():
-            conflicts = pool_conflicts(self.pool, self._host.host_uses(self.config.ifname_prefix))
+            uses = self._host.host_uses(self.prefix, also_ours)
+        conflicts = pool_conflicts(self.pool, uses)
         if conflicts:
             raise PoolConflictError(str(self.pool), conflicts)
 
@@ -274,12 +329,9 @@ class CrewNetworks:
         self._state = state
 
     def _allocate(self, crew: str) -> int:
-        ifname = interface_name(self.config.ifname_prefix, crew)
+        ifname = interface_name(self.prefix, crew)
         for record in self._state.crews:
-            if (
-                record.crew != crew
-                and interface_name(self.config.ifname_prefix, record.crew) == ifname
-            ):
+            if record.crew != crew and interface_name(self.prefix, record.crew) == ifname:
                 raise NetnsError(
                     f"crew {crew!r}: interface name {ifname} collides with crew {record.crew!r}"
                 )
@@ -298,6 +350,13 @@ class CrewNetworks:
         check_crew_id(crew)
         path = os.fspath(netns)
         with self._lock, self._host.session():
+            if self._state.crews and self._old_naming() is not None:
+                raise CrewNetworkError(
+                    crew,
+                    "check names",
+                    NetnsError("the crews' networks carry former names: reconcile first"),
+                    rolled_back=False,
+                )
             previous = self._state.by_crew().get(crew)
             steps = _Steps(crew, self.on_step)
             namespace: list[Namespace] = []
@@ -424,7 +483,7 @@ class CrewNetworks:
             record = self._state.by_crew().get(crew)
             if record is None:
                 # Not ours to remember, but make sure nothing is left under its name.
-                self._teardown_kernel(crew, interface_name(self.config.ifname_prefix, crew))
+                self._teardown_kernel(crew, interface_name(self.prefix, crew))
                 return
             self._detach(record)
 
@@ -481,9 +540,34 @@ class CrewNetworks:
     def reconcile(self) -> ReconcileReport:
         """Make the kernel match the state file; report every change. Run at every start."""
         with self._lock, self._host.session():
-            self.check_pool()
+            old = self._old_naming()
+            old_links = (
+                tuple(interface_name(old.ifname_prefix, r.crew) for r in self._state.crews)
+                if old is not None
+                else ()
+            )
+            # The claims first: an appliance configured alike has its crews in this pool too,
+            # and that it is another appliance is the better reason to give.
+            old_table = check_claims(
+                self._nft, self.layout, self.naming, self.owner, old, old_links
+            )
+            self.check_pool(old_links)
             changes: list[Change] = []
-            state = self._state
+            if old is not None:
+                changes += [
+                    Change(*change)
+                    for change in rename(
+                        self._nft,
+                        self._host,
+                        self.layout,
+                        self.naming,
+                        old,
+                        old_links,
+                        [record.crew for record in self._state.crews],
+                        old_table,
+                    )
+                ]
+            state = msgspec.structs.replace(self._state, naming=self.naming, owner=self.owner)
             kept: dict[str, tuple[CrewRecord, Namespace]] = {}
             try:
                 # 1. Decide for every recorded crew: keep (namespace alive) or take down.
@@ -499,7 +583,8 @@ class CrewNetworks:
                 wanted = {plan.ifname for plan in plans.values()}
 
                 # 2. Links nobody keeps: orphans, half-created, detaching, dead namespaces.
-                links = self._host.links_with_prefix(self.config.ifname_prefix)
+                links = self._host.links_with_prefix(self.prefix)
+                self._log_ignored_links()
                 for ifname in sorted(links):
                     if ifname not in wanted and self._host.delete_link(ifname):
                         changes.append(Change("deleted link", ifname, self._owner(state, ifname)))
@@ -532,6 +617,15 @@ class CrewNetworks:
                 self._save(state)
             return ReconcileReport(tuple(changes))
 
+    def _log_ignored_links(self) -> None:
+        """Debug: links that look like an appliance's (the configured prefix) but are not this
+        one's; reconcile never touches them."""
+        if not log.isEnabledFor(logging.DEBUG) or self.prefix == self.config.ifname_prefix:
+            return
+        for ifname in sorted(self._host.links_with_prefix(self.config.ifname_prefix)):
+            if not ifname.startswith(self.prefix):
+                log.debug("reconcile: ignored link %s (not instance %s's)", ifname, self.instance)
+
     @staticmethod
     def _open_if_alive(record: CrewRecord) -> tuple[Namespace | None, str]:
         """The crew's namespace if the crew should keep its network, else why not."""
@@ -556,7 +650,7 @@ class CrewNetworks:
         table = read_table(self._nft, self.layout)
         if table is None:
             self._nft.run(self.layout.rebuild(plans))
-            return [Change("created table", f"inet {self.config.table} with {len(plans)} crews")]
+            return [Change("created table", f"inet {self.naming.table} with {len(plans)} crews")]
         differences = base_differences(self.layout, table)
         elements = table.maps.get(MAP, ("", "", {}))[2]
         wrong_targets = [
@@ -589,7 +683,7 @@ class CrewNetworks:
 
     def _owner(self, state: NetState, ifname: str) -> str | None:
         for record in state.crews:
-            if interface_name(self.config.ifname_prefix, record.crew) == ifname:
+            if interface_name(self.prefix, record.crew) == ifname:
                 return record.crew
         return None
 
@@ -606,7 +700,7 @@ class CrewNetworks:
         """Per crew: addresses, rules and their counters, read from the kernel now."""
         with self._lock, self._host.session():
             table = read_table(self._nft, self.layout)
-            links = self._host.links_with_prefix(self.config.ifname_prefix)
+            links = self._host.links_with_prefix(self.prefix)
             elements = table.maps.get(MAP, ("", "", {}))[2] if table else {}
             crews: list[CrewStatus] = []
             known_links: set[str] = set()
@@ -622,7 +716,7 @@ class CrewNetworks:
                 for name, (packets, nbytes) in (table.counters.items() if table else ())
             )
             return NetworkReport(
-                table=f"inet {self.config.table}",
+                table=f"inet {self.naming.table}",
                 table_present=table is not None,
                 base_differences=tuple(base_differences(self.layout, table)) if table else (),
                 crews=tuple(crews),

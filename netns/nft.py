@@ -229,6 +229,10 @@ class Layout:
     proxy_ports: tuple[int, ...]
     log_drops: bool = False
     log_rate_per_minute: int = 6
+    # Written into the dispatch rule's comment ("instance=<id> owner=<token>"): whose table
+    # this is, read back by `table_claim` (nftables 1.0.6 neither writes nor reads a table's
+    # own comment through JSON, rule comments it does).
+    claim: str = ""
 
     def _obj(self, **fields: object) -> Json:
         return {"family": FAMILY, "table": self.table, **fields}
@@ -239,7 +243,11 @@ class Layout:
         wildcard = self.ifname_prefix + "*"  # nft(8): a trailing '*' matches by prefix
         return {
             PREROUTING: (
-                RuleSpec("dispatch", ({"vmap": {"key": _meta("iifname"), "data": "@" + MAP}},)),
+                RuleSpec(
+                    "dispatch",
+                    ({"vmap": {"key": _meta("iifname"), "data": "@" + MAP}},),
+                    self.claim,
+                ),
                 # An interface with the appliance's prefix whose crew has no chain (yet, or
                 # any more): fail closed.
                 RuleSpec(
@@ -383,6 +391,22 @@ class Layout:
             commands += self._remove_objects(ifname)
         for plan in install:
             commands += self._crew_objects(plan)
+        return commands
+
+    def drop_table(self, table: str) -> list[Json]:
+        """Delete another table of this appliance (its names before a rename), idempotently."""
+        return [
+            {"add": {"table": {"family": FAMILY, "name": table}}},
+            {"delete": {"table": {"family": FAMILY, "name": table}}},
+        ]
+
+    def remove_from(self, table: str, ifnames: Iterable[str]) -> list[Json]:
+        """Remove crews' chains and map elements from another table of this appliance (one
+        that other crews still use: the state of an appliance from before instance ids)."""
+        other = Layout(table, self.priority, self.ifname_prefix, self.proxy_ports)
+        commands: list[Json] = []
+        for ifname in ifnames:
+            commands += other._remove_objects(ifname)
         return commands
 
     def list_table(self) -> list[Json]:
@@ -539,4 +563,36 @@ def base_differences(layout: Layout, table: TableState) -> list[str]:
         if name not in COUNTERS:
             found.append(f"unknown counter {name}")
     found += [f"unknown {what}" for what in table.foreign]
+    return found
+
+
+def table_claim(table: TableState) -> dict[str, str]:
+    """The `key=value` words of the dispatch rule's comment (`Layout.claim`); {} if none."""
+    chain = table.chains.get(PREROUTING)
+    if chain is None or not chain.rules:
+        return {}
+    words = chain.rules[0].comment.split()
+    if not words or words[0] != "dispatch":
+        return {}
+    return dict(word.split("=", 1) for word in words[1:] if "=" in word and word[:2] != "v=")
+
+
+def interface_patterns(backend: NftBackend) -> dict[str, set[str]]:
+    """Every inet table of the host -> the interface name prefixes its rules match with a
+    wildcard (`iifname "apx*"`): what a table claims. One listing of the inet ruleset."""
+    found: dict[str, set[str]] = {}
+    for item in backend.run([{"list": {"ruleset": {"family": FAMILY}}}]):
+        kind, body = next(iter(item.items()))
+        if kind == "table" and body.get("family") == FAMILY:
+            found.setdefault(str(body.get("name")), set())
+        if kind != "rule" or body.get("family") != FAMILY:
+            continue
+        for expr in body.get("expr", []):
+            match = expr.get("match") if isinstance(expr, dict) else None
+            if not isinstance(match, dict):
+                continue
+            left, right = match.get("left"), match.get("right")
+            key = left.get("meta", {}).get("key") if isinstance(left, dict) else None
+            if key in ("iifname", "oifname") and isinstance(right, str) and right.endswith("*"):
+                found.setdefault(str(body.get("table")), set()).add(right[:-1])
     return found

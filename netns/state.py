@@ -15,6 +15,13 @@ Each crew record carries a phase, written *before* the kernel is touched:
 
 so that `CrewNetworks.reconcile` knows, for every crew, whether to finish or undo. A lock file
 (`flock(2)`, held for the manager's lifetime) keeps a second manager off the same state.
+
+Version 2 also records the names the kernel objects were made under (`naming`: the table and
+the interface prefix, marked with the instance id) and `owner`, a random token that the
+appliance writes into its table, so that a second appliance configured with the same instance
+id is recognised and refused rather than taking the table over. A version 1 file (from before
+instance ids) has neither: its objects carry the configured names as they are, and the next
+`reconcile` renames them (docs/netns.md, "Instances").
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from pathlib import Path
 
 import msgspec
 
+from .addressing import Naming
 from .errors import StateError
 
 STATE_FILE = "netns-state.json"
 LOCK_FILE = "netns-state.lock"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class Phase(enum.Enum):
@@ -64,17 +73,19 @@ class NetState(msgspec.Struct, frozen=True):
     pool: str
     crews: tuple[CrewRecord, ...] = ()
     version: int = VERSION
+    # The names the crews' kernel objects carry (None: a version 1 file, the configured names).
+    naming: Naming | None = None
+    owner: str | None = None
 
     def by_crew(self) -> dict[str, CrewRecord]:
         return {record.crew: record for record in self.crews}
 
     def with_record(self, record: CrewRecord) -> NetState:
         others = tuple(r for r in self.crews if r.crew != record.crew)
-        return NetState(pool=self.pool, crews=(*others, record), version=self.version)
+        return msgspec.structs.replace(self, crews=(*others, record))
 
     def without(self, crew: str) -> NetState:
-        crews = tuple(r for r in self.crews if r.crew != crew)
-        return NetState(pool=self.pool, crews=crews, version=self.version)
+        return msgspec.structs.replace(self, crews=tuple(r for r in self.crews if r.crew != crew))
 
 
 class StateStore:
@@ -115,7 +126,7 @@ class StateStore:
             state = msgspec.json.decode(data, type=NetState)
         except msgspec.DecodeError as exc:
             raise StateError(f"{self.path} is not a valid state file: {exc}") from None
-        if state.version != VERSION:
+        if state.version not in READABLE_VERSIONS:
             raise StateError(f"{self.path}: unknown state version {state.version}")
         if state.pool != pool and state.crews:
             # Re-numbering crews would change their gateway addresses, i.e. their identity at
@@ -124,10 +135,10 @@ class StateStore:
                 f"{self.path} allocates from pool {state.pool}, the configuration says {pool}: "
                 "release the crews first or restore the pool"
             )
-        return NetState(pool=pool, crews=state.crews)
+        return NetState(pool=pool, crews=state.crews, naming=state.naming, owner=state.owner)
 
     def save(self, state: NetState) -> None:
-        data = msgspec.json.encode(state)
+        data = msgspec.json.encode(msgspec.structs.replace(state, version=VERSION))
         tmp = self.path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

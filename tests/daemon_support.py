@@ -1,6 +1,7 @@
-"""A real applianced for the tests: its own state directory, admin socket, address pool, nftables
-table, interface prefix and crew-name prefix, so it never touches anything it did not create
-(another test session's crews, or a real appliance's)."""
+"""A real applianced for the tests: its own state directory, admin socket, address pool, instance
+id (so its own nftables table, interface prefix, container and volume labels), and crew-name
+prefix, so it never touches anything it did not create (another test session's crews, or a real
+appliance's)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ class Appliance:
     proxy_workers: int = 2  # [proxy] workers (the daemon's default is one per CPU)
     process: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
+    # False: no `daemon.instance` in the config (the daemon derives one from its state directory).
+    configure_instance: bool = True
+    # Run by an applianced from before instance ids (its objects carry the configured names).
+    legacy: bool = False
 
     def __post_init__(self) -> None:
         for _ in range(20):
@@ -87,9 +92,35 @@ class Appliance:
         self.state_dir = self.tmp / "state"
         self.socket = self.tmp / "run" / "admin.sock"
         self.config = self.tmp / "appliance.toml"
-        self.table = f"appliance_test_{self.tag}"
-        self.prefix = f"t{self.tag}"
+        # What the config says; the daemon marks them with its instance id (`table`, `prefix`).
+        self.config_table = f"appliance_test_{self.tag}"
+        self.config_prefix = f"t{self.tag}"
         self.name_prefix = f"t{self.tag}-"
+        self.configured_instance = f"t{self.tag}"
+
+    @property
+    def instance(self) -> str | None:
+        """The daemon's instance id: the configured one, else what its state records (None
+        before its first start)."""
+        if self.configure_instance:
+            return self.configured_instance
+        rows = self._query("SELECT value FROM meta WHERE key='instance_id'")
+        return str(rows[0][0]) if rows else None
+
+    def _naming(self) -> Any:
+        from netns import naming
+
+        return naming(self.config_table, self.config_prefix, self.instance)
+
+    @property
+    def table(self) -> str:
+        """The daemon's nftables table (family inet)."""
+        return str(self._naming().table)
+
+    @property
+    def prefix(self) -> str:
+        """What the daemon's interface names start with."""
+        return str(self._naming().ifname_prefix)
 
     def crew(self, short: str) -> str:
         return f"{self.name_prefix}{short}"
@@ -103,7 +134,7 @@ class Appliance:
 state_dir = "{self.state_dir}"
 admin_socket = "{self.socket}"
 proxy_port = {self.port}
-{extra}
+{self._instance_line()}{extra}
 [images]
 agent = "{agent}"
 infra = "{infra}"
@@ -115,8 +146,8 @@ infra_pool = {self.infra_pool}
 
 [net]
 pool = "{self.pool}"
-table = "{self.table}"
-ifname_prefix = "{self.prefix}"
+table = "{self.config_table}"
+ifname_prefix = "{self.config_prefix}"
 
 [proxy]
 workers = {self.proxy_workers}
@@ -140,18 +171,24 @@ resolve = {{ {resolve} }}
 """
         )
 
-    def start(self, env: dict[str, str] | None = None) -> None:
+    def _instance_line(self) -> str:
+        return f'instance = "{self.configured_instance}"\n' if self.configure_instance else ""
+
+    def start(self, env: dict[str, str] | None = None, *, tree: Path | None = None) -> None:
+        """`tree`: the source tree to run applianced from (another version's), else this one."""
         log = self.tmp / f"applianced-{len(self.logs)}.log"
         self.logs.append(log)
         environment = proxy_env()
         environment.update(env or {})
+        if tree is not None:
+            environment["PYTHONPATH"] = str(tree)
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "appliance.cli", "up", "--config", str(self.config)],
                 env=environment,
                 stdout=out,
                 stderr=out,
-                cwd=ROOT,
+                cwd=tree or ROOT,
             )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -266,7 +303,7 @@ resolve = {{ {resolve} }}
                 "ps",
                 "-a",
                 "--filter",
-                "label=io.agent-appliance.owner",
+                f"label=io.agent-appliance.instance={self.instance}",
                 "--format",
                 '{{.Label "io.agent-appliance.crew"}} {{.State}}',
             ],
@@ -315,18 +352,48 @@ resolve = {{ {resolve} }}
 
     def cleanup(self) -> None:
         self.stop()
-        # By name, not by crew: a crew that took a pool slot keeps the slot's infra container
-        # (appliance-<prefix>pool_<id>-infra), which a name made from the crew's would miss.
+        instance = self.instance
+        if self.legacy:  # what it made before an upgrade carries no instance label
+            self._cleanup_by_names()
+        if instance is None:  # never started (by this version)
+            return
+        # By the instance label: a crew that took a pool slot keeps the slot's infra container,
+        # which a name made from the crew's would miss, and a crew-name prefix may be "".
+        label = f"label=io.agent-appliance.instance={instance}"
         ours = subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"name=^/appliance-{self.name_prefix}"],
-            capture_output=True,
-            text=True,
+            ["docker", "ps", "-aq", "--filter", label], capture_output=True, text=True
         ).stdout.split()
         if ours:
             subprocess.run(["docker", "rm", "-f", *ours], capture_output=True)
         for link in self.links(include_pool=True):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        volumes = subprocess.run(
+            ["docker", "volume", "ls", "-q", "--filter", label], capture_output=True, text=True
+        ).stdout.split()
+        if volumes:
+            subprocess.run(["docker", "volume", "rm", "-f", *volumes], capture_output=True)
+        remove_volumes(self.name_prefix)
+        from appliance.daemon.instance import lock_path
+
+        lock_path("/run/agent-appliance-keeper", instance).unlink(missing_ok=True)
+
+    def _cleanup_by_names(self) -> None:
+        """What an applianced from before instance ids made: by the names of its config."""
+        if self.name_prefix:  # "appliance-" alone is every appliance's
+            ours = subprocess.run(
+                ["docker", "ps", "-aq", "--filter", f"name=^/appliance-{self.name_prefix}"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            if ours:
+                subprocess.run(["docker", "rm", "-f", *ours], capture_output=True)
+        out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            link = line.split(":")[1].strip().split("@")[0]
+            if link.startswith(self.config_prefix) and len(link) == 15:
+                subprocess.run(["ip", "link", "del", link], capture_output=True)
+        subprocess.run(["nft", "delete", "table", "inet", self.config_table], capture_output=True)
         remove_volumes(self.name_prefix)
 
 
@@ -335,6 +402,8 @@ def new_appliance(tmp: Path, provider_port: int, plain_port: int, ca_file: str) 
 
 
 def remove_volumes(prefix: str) -> None:
+    if not prefix:  # "appliance-*" is every appliance's
+        return
     out = subprocess.run(
         ["docker", "volume", "ls", "-q", "--filter", f"name=appliance-{prefix}"],
         capture_output=True,

@@ -163,6 +163,7 @@ def _write_config(app: Appliance, agent: str, infra: str, up: UpstreamNamespace)
 state_dir = "{app.state_dir}"
 admin_socket = "{app.socket}"
 proxy_port = {app.port}
+instance = "{app.configured_instance}"
 
 [images]
 agent = "{agent}"
@@ -173,8 +174,8 @@ name_prefix = "{app.name_prefix}"
 
 [net]
 pool = "{app.pool}"
-table = "{app.table}"
-ifname_prefix = "{app.prefix}"
+table = "{app.config_table}"
+ifname_prefix = "{app.config_prefix}"
 
 [proxy.providers.anthropic]
 base_url = "https://{PROVIDER_HOST}"

@@ -232,7 +232,9 @@ def test_reconcile_after_sigkill_mid_create_and_with_a_ready_crew(
     import subprocess
 
     subprocess.run(
-        ["docker", "rm", "-f", f"appliance-{name}-agent"], check=True, capture_output=True
+        ["docker", "rm", "-f", f"appliance-{name}-agent.{app.instance}"],
+        check=True,
+        capture_output=True,
     )
     app.start()
     _, shown = app.ctl_json("crew", "show", name)

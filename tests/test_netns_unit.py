@@ -282,3 +282,86 @@ def test_netns_imports_nothing_from_the_appliance_or_the_proxy() -> None:
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in {"appliance", "proxycore"}, (path, name)
+
+
+# --- instances ------------------------------------------------------------------------------------
+
+
+def test_instance_ids_and_the_names_they_give() -> None:
+    from netns import check_instance_id, instance_tag, naming
+
+    for good in ("a", "prod", "3f2a9c81", "x" * 16, "prod-eu-1"):
+        assert check_instance_id(good) == good
+    for bad in ("", "Prod", "-prod", "prod-", "pro_d", "pro.d", "x" * 17, "é"):
+        with pytest.raises(NetConfigError, match="instance id"):
+            check_instance_id(bad)
+    tag = instance_tag("prod")
+    assert len(tag) == 3 and tag.isalnum() and tag == tag.lower()
+    assert instance_tag("prod") == tag and instance_tag("prod2") != tag
+    named = naming("appliance", "apx", "prod")
+    assert named.table == "appliance_prod" and named.ifname_prefix == f"apx{tag}"
+    assert naming("appliance", "apx", None).table == "appliance"
+    assert naming("appliance", "apx", "prod-eu").table == "appliance_prod_eu"
+    # Every interface name still fits IFNAMSIZ, with the longest configurable prefix too.
+    longest = naming("t", "abcdef", "x" * 16).ifname_prefix
+    name = interface_name(longest, "crew")
+    assert len(name) == 15 and name.startswith(longest)
+    # The table name is one nft accepts (letters, digits, '_'), for the longest ids too.
+    validate_config(NetConfig(table=naming("a" * 32, "apx", "x" * 16).table[:32]))
+
+
+def test_the_claim_and_the_patterns_are_read_back() -> None:
+    from netns.nft import interface_patterns, table_claim
+
+    lay = layout(table="appliance_prod", ifname_prefix="apxk3q", claim="instance=prod owner=ab")
+    assert table_claim(parse_table(_listing(lay))) == {"instance": "prod", "owner": "ab"}
+    assert table_claim(parse_table(_listing(layout()))) == {}
+
+    class Listing:
+        def run(self, commands: list[dict[str, object]]) -> list[dict[str, object]]:
+            assert commands == [{"list": {"ruleset": {"family": "inet"}}}]
+            items: list[dict[str, object]] = [{"table": {"family": "inet", "name": "empty"}}]
+            for table, wildcard in (("one", "apx*"), ("two", "tab1*")):
+                items.append({"table": {"family": "inet", "name": table}})
+                items.append(
+                    {
+                        "rule": {
+                            "family": "inet",
+                            "table": table,
+                            "chain": "prerouting",
+                            "expr": [
+                                {
+                                    "match": {
+                                        "op": "==",
+                                        "left": {"meta": {"key": "iifname"}},
+                                        "right": wildcard,
+                                    }
+                                },
+                                {"drop": None},
+                            ],
+                        }
+                    }
+                )
+            return items
+
+    assert interface_patterns(Listing()) == {"empty": set(), "one": {"apx"}, "two": {"tab1"}}
+
+
+def test_a_state_file_from_before_instance_ids_is_read(tmp_path: Path) -> None:
+    (tmp_path / "netns-state.json").write_text(
+        json.dumps(
+            {
+                "pool": "100.127.0.0/16",
+                "version": 1,
+                "crews": [{"crew": "a", "index": 0, "phase": "ready", "netns": None}],
+            }
+        )
+    )
+    store = StateStore(tmp_path)
+    try:
+        state = store.load("100.127.0.0/16")
+        assert state.naming is None and state.owner is None and len(state.crews) == 1
+        store.save(state)
+        assert json.loads((tmp_path / "netns-state.json").read_text())["version"] == 2
+    finally:
+        store.close()

@@ -53,11 +53,16 @@ def image(client) -> str:  # type: ignore[no-untyped-def]
     return ensure_test_image(client)
 
 
+# The instance id of this session's providers: what they create carries it, and they see
+# nothing else on the (shared) engine.
+INSTANCE = f"rt{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="session")
 def provider(client):  # type: ignore[no-untyped-def]
     from appliance.runtime.docker import DockerProvider
 
-    return DockerProvider(client)
+    return DockerProvider(client, instance=INSTANCE)
 
 
 def new_crew() -> str:
@@ -609,8 +614,8 @@ def test_remove_crew_leaves_nothing_and_is_idempotent(provider, client, image, c
     assert [c for c in provider.owned() if c.crew == crew] == []
     # Volumes stay unless asked (the crew's home survives a restart of its containers).
     assert sorted(crew_leftovers(provider, client, crew)) == [
-        f"volume appliance-{crew}-home",
-        f"volume appliance-{crew}-tools",
+        f"volume appliance-{crew}-home.{INSTANCE}",
+        f"volume appliance-{crew}-tools.{INSTANCE}",
     ]
     provider.remove_crew(crew)  # again: nothing to do, no error
     provider.remove_crew(crew, volumes=True)
@@ -631,7 +636,7 @@ def test_failed_infra_start_is_rolled_back(client, image, crew) -> None:  # type
     from appliance.runtime import CrewContainerError
     from appliance.runtime.docker import DockerProvider
 
-    broken = DockerProvider(client, infra_command=("/no/such/program",))
+    broken = DockerProvider(client, instance=INSTANCE, infra_command=("/no/such/program",))
     with pytest.raises(CrewContainerError) as caught:
         broken.create_infra(spec_for(crew, image))
     assert caught.value.crew == crew and caught.value.step == "start infra container"
@@ -645,7 +650,7 @@ def test_failed_agent_creation_is_rolled_back(provider, client, image, crew) -> 
     spec = spec_for(crew, image)
     # A container squatting the agent's name makes the engine refuse the agent container,
     # after start_agent has created the crew's volumes.
-    squatter = client.containers.create(image, ["true"], name=f"appliance-{crew}-agent")
+    squatter = client.containers.create(image, ["true"], name=f"appliance-{crew}-agent.{INSTANCE}")
     try:
         # start_agent undoes its own work (the volumes it created); the infra is the caller's,
         # created by an earlier call...
@@ -675,6 +680,118 @@ def test_launch_crew_rolls_back_when_the_attach_fails(provider, client, image, c
     with pytest.raises(OSError, match="network step failed"):
         launch_crew(provider, spec_for(crew, image), attach)
     assert crew_leftovers(provider, client, crew) == []
+
+
+# --- instances ------------------------------------------------------------------------------------
+
+
+def test_instances_see_and_remove_only_their_own(client, image) -> None:  # type: ignore[no-untyped-def]
+    """Two providers of two instances on one engine, with a crew of the same name each: each
+    lists, removes and names only its own; a container with the appliance's labels but no
+    instance label (an appliance from before instance ids) is nobody's until adopted."""
+    from appliance.runtime.base import LABEL_APPLIANCE, LABEL_CREW, LABEL_INSTANCE, LABEL_ROLE
+    from appliance.runtime.docker import DockerProvider
+
+    one = DockerProvider(client, instance=f"{INSTANCE}a")
+    two = DockerProvider(client, instance=f"{INSTANCE}b")
+    crew = new_crew()
+    legacy = client.containers.create(
+        image,
+        ["sleep", "3600"],
+        name=f"appliance-{crew}-infra",
+        labels={LABEL_APPLIANCE: "applianced", LABEL_CREW: crew, LABEL_ROLE: "infra"},
+    )
+    try:
+        for provider in (one, two):
+            spec = spec_for(crew, image)
+            provider.start_agent(spec, provider.create_infra(spec))
+        mine = {p: {c.container_id for c in p.owned() if c.crew == crew} for p in (one, two)}
+        assert len(mine[one]) == len(mine[two]) == 2 and not mine[one] & mine[two]
+        for provider in (one, two):
+            assert legacy.id not in {c.container_id for c in provider.owned()}
+            assert (legacy.id, crew, None) in provider.unowned()
+            labels = {
+                c["Id"]: c["Labels"]
+                for c in client.api.containers(all=True, filters={"id": sorted(mine[provider])})
+            }
+            assert {v[LABEL_INSTANCE] for v in labels.values()} == {provider.instance}
+            names = {
+                c["Names"][0]
+                for c in client.api.containers(all=True, filters={"id": sorted(mine[provider])})
+            }
+            assert names == {
+                f"/appliance-{crew}-infra.{provider.instance}",
+                f"/appliance-{crew}-agent.{provider.instance}",
+            }
+        one.remove_crew(crew, volumes=True)
+        assert [c for c in one.owned() if c.crew == crew] == []
+        assert {c.container_id for c in two.owned() if c.crew == crew} == mine[two]
+        assert sorted(two.owned_volumes()) == [
+            f"appliance-{crew}-home.{two.instance}",
+            f"appliance-{crew}-tools.{two.instance}",
+        ]
+        assert client.containers.get(legacy.id).status == "created"  # untouched
+        # Adopted by id (the daemon's state names it), it is the instance's to list and remove.
+        one.adopt({legacy.id}, {crew})
+        assert [c.container_id for c in one.owned() if c.crew == crew] == [legacy.id]
+        assert legacy.id not in {c.container_id for c in two.owned()}
+        one.remove_crew(crew)
+        assert legacy.id not in {c["Id"] for c in client.api.containers(all=True)}
+        assert {c.container_id for c in two.owned() if c.crew == crew} == mine[two]
+    finally:
+        with contextlib.suppress(Exception):
+            legacy.remove(force=True)
+        two.remove_crew(crew, volumes=True)
+        one.remove_crew(crew, volumes=True)
+
+
+def test_a_crew_from_before_instance_ids_keeps_its_volumes(client, image) -> None:  # type: ignore[no-untyped-def]
+    """An adopted crew's agent, re-created, mounts the volumes of its former names (its home
+    survives the upgrade); a crew that is not adopted never gets them."""
+    from appliance.runtime.base import LABEL_APPLIANCE, LABEL_CREW
+    from appliance.runtime.docker import DockerProvider
+
+    provider = DockerProvider(client, instance=f"{INSTANCE}c")
+    crew = new_crew()
+    old = {"/home/agent": f"appliance-{crew}-home", "/opt/tools": f"appliance-{crew}-tools"}
+    for name in old.values():
+        client.api.create_volume(name, labels={LABEL_APPLIANCE: "applianced", LABEL_CREW: crew})
+    try:
+        provider.adopt(set(), {crew})
+        spec = spec_for(crew, image)
+        agent = provider.start_agent(spec, provider.create_infra(spec))
+        mounts = {
+            m["Destination"]: m["Name"] for m in client.api.inspect_container(agent)["Mounts"]
+        }
+        assert mounts == old
+        provider.remove_crew(crew, volumes=True)
+        assert not {v["Name"] for v in client.api.volumes()["Volumes"] or []} & set(old.values())
+    finally:
+        provider.remove_crew(crew, volumes=True)
+        for name in old.values():
+            with contextlib.suppress(Exception):
+                client.api.remove_volume(name, force=True)
+
+
+def test_a_provider_without_instance_touches_nothing(client) -> None:  # type: ignore[no-untyped-def]
+    from appliance.runtime import InvalidSpec
+    from appliance.runtime.docker import DockerProvider
+
+    bare = DockerProvider(client)
+    assert "runc" in bare.runtimes()
+    for call in (bare.owned, bare.owned_volumes, lambda: bare.remove_crew("x")):
+        with pytest.raises(InvalidSpec, match="no instance id"):
+            call()
+    with pytest.raises(InvalidSpec, match="instance id"):
+        DockerProvider(client, instance="Bad-Id")
+    # applianced binds the id it reads from its state, once; never another after it.
+    with pytest.raises(InvalidSpec, match="instance id"):
+        bare.bind_instance("bad_id")
+    bare.bind_instance(f"{INSTANCE}-z")
+    bare.bind_instance(f"{INSTANCE}-z")
+    assert bare.owned() == []
+    with pytest.raises(InvalidSpec, match="instance"):
+        bare.bind_instance(INSTANCE)
 
 
 def test_runsc_processes_are_tied_to_their_container(provider, image, crew) -> None:  # type: ignore[no-untyped-def]

@@ -46,7 +46,7 @@ def down(status: messages.Status) -> list[messages.PartHealth]:
 def human(status: messages.Status, wide: bool) -> str:
     pids = ", ".join(map(str, status.proxy_pids)) or "none"
     lines = [
-        f"applianced pid {status.pid}, state {status.state_dir}",
+        f"applianced pid {status.pid}, instance {status.instance or '-'}, state {status.state_dir}",
         f"provider {status.provider} (isolated: {status.isolated}), runtimes: "
         + ", ".join(status.runtimes),
         f"proxy workers {pids} (uid {status.proxy_uid}), alive: {status.proxy_alive}, port "

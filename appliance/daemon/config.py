@@ -30,7 +30,7 @@ import msgspec
 
 from appliance.keeper.gatekeeper import GatekeeperConfig, GatekeeperConfigError
 from appliance.runtime.base import AGENT_UID, KNOWN_RUNTIMES
-from netns import NetConfig, NetnsError, validate_config
+from netns import NetConfig, NetnsError, check_instance_id, validate_config
 from proxycore.config import (
     DEFAULT_PORT,
     EventsConfig,
@@ -90,6 +90,10 @@ class DaemonSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # records come out the same way. `appliancectl up --log-format/--log-level` override both.
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # This appliance's instance id (1-16 of a-z, 0-9, inner '-'): everything it makes on the host
+    # carries it, and it touches nothing that does not (appliance/daemon/instance.py). None: the
+    # id recorded in the state, or at the first start one derived from the state directory.
+    instance: str | None = None
 
 
 class ImagesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -282,6 +286,11 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
             metrics_address(config.metrics.listen)
         except ValueError as exc:
             raise fail("metrics.listen", str(exc)) from None
+    if daemon.instance is not None:
+        try:
+            check_instance_id(daemon.instance)
+        except NetnsError as exc:
+            raise fail("daemon.instance", str(exc)) from None
     if not daemon.provider:
         raise fail("daemon.provider", "must be 'docker' or 'module:factory'")
     crews = config.crews

@@ -57,6 +57,7 @@ from .config import ApplianceConfig, config_file, load_config, metrics_address
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
+from .instance import derive_instance_id, lock_instance, unlock_instance
 from .metrics import DaemonMetrics, Traffic
 from .metrics import serve_tcp as serve_metrics
 from .notify import Notifier
@@ -129,6 +130,8 @@ class Daemon:
         self.started = time.time()
         self.reconcile_changes: tuple[str, ...] = ()
         self._lock_fd: int | None = None
+        self._instance_fd: int | None = None
+        self.instance = ""
         self.networks: CrewNetworks
         self.crews: CrewManager
         self.proxy: ProxyPool
@@ -175,6 +178,7 @@ class Daemon:
             crews_ready=sum(1 for r in rows if r.phase is CrewPhase.READY),
             started=self.started,
             reconcile=self.reconcile_changes,
+            instance=self.instance,
             pool_size=self.config.crews.infra_pool,
             pool_ready=self.crews.pool_ready(),
             proxy_pids=self.proxy.pids,
@@ -240,7 +244,27 @@ class Daemon:
         except BaseException:
             credentials.close()
             raise
-        networks = CrewNetworks(self.config.net_config(), self.state_dir / "net")
+        try:
+            # Before anything is touched: everything this daemon makes, lists or removes
+            # carries its instance id (instance.py).
+            instance = store.instance_id(
+                self.config.daemon.instance, derive_instance_id(self.state_dir)
+            )
+            self.instance = instance
+            self._instance_fd = lock_instance(self.config.daemon.run_dir, instance, self.state_dir)
+            store.record_instance_id(instance)
+            self.provider.bind_instance(instance)
+            self.provider.adopt(*store.adoptable())
+            networks = CrewNetworks(
+                self.config.net_config(), self.state_dir / "net", instance=instance
+            )
+        except BaseException:
+            if self._instance_fd is not None:
+                unlock_instance(self._instance_fd, self.config.daemon.run_dir, instance)
+                self._instance_fd = None
+            store.close()
+            credentials.close()
+            raise
         journal = Journal(self.state_dir / JOURNAL_FILE)
         # Counted as the journal ingests (appliance/daemon/metrics.py); crew labels are bounded
         # by the crews the proxy serves.
@@ -335,10 +359,11 @@ class Daemon:
                 self.notifier.ready(self._serving_status())
                 nursery.start_soon(self._keep_status)
                 log.info(
-                    "ready (pid %d, admin socket %s, provider %s)",
+                    "ready (pid %d, admin socket %s, provider %s, instance %s)",
                     os.getpid(),
                     self.config.daemon.admin_socket,
                     self.provider.name,
+                    self.instance,
                 )
                 task_status.started()
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -356,6 +381,8 @@ class Daemon:
             journal.close()  # writes what is queued first
             store.close()
             credentials.close()
+            if self._instance_fd is not None:
+                unlock_instance(self._instance_fd, self.config.daemon.run_dir, self.instance)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
 

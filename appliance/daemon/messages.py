@@ -124,6 +124,7 @@ class Status(msgspec.Struct, frozen=True):
     proxy_uid: int | None = None  # the UID the workers drop to (None: they keep applianced's)
     proxy_workers: tuple[WorkerStatus, ...] = ()  # per worker: pid, uid, restarts, last exit
     health: tuple[PartHealth, ...] = ()  # every part, judged (appliance/daemon/health.py)
+    instance: str = ""  # the instance id (docs/daemon.md, "Instances")
 
 
 class PartHealth(msgspec.Struct, frozen=True):

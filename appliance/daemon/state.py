@@ -20,6 +20,12 @@ Address allocations are not duplicated here: the network layer keeps them in its
 allocation by the crew name. Two stores could disagree after a crash; reconciliation treats the
 crew row as the intent and the network file as the allocation (docs/daemon.md).
 
+The instance id (appliance/daemon/instance.py) is recorded in `meta.instance_id` at the first
+start and never changes after: the labels of the crews' containers and the names of their kernel
+objects carry it. Version 4 brought it; a state from before (version 1-3) records, at the
+migration, the crews it had (`meta.legacy_crews`): their containers carry no instance label and
+are adopted by the ids in their rows (`adoptable`), their volumes keep their former names.
+
 The schema is versioned (`meta.schema_version`); an unknown newer version is refused, never
 guessed at. Every write is one transaction (`with self.db:`); WAL lets readers (`crew ls`) run
 beside a writer. Calls take well under a millisecond, so the trio daemon makes them inline.
@@ -38,7 +44,7 @@ import msgspec
 
 from .errors import DaemonError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DB_FILE = "applianced.db"
 
 _SCHEMA = """
@@ -143,10 +149,17 @@ class StateStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            elif int(row["value"]) in (1, 2):
+            elif int(row["value"]) in (1, 2, 3):
                 if int(row["value"]) == 1:
                     self.db.execute(_MIGRATE_1_TO_2)
-                self.db.execute(_MIGRATE_2_TO_3)
+                if int(row["value"]) <= 2:
+                    self.db.execute(_MIGRATE_2_TO_3)
+                # Version 3 had no instance id: the crews it has made carry none.
+                legacy = [r["name"] for r in self.db.execute("SELECT name FROM crews")]
+                self.db.execute(
+                    "INSERT INTO meta(key, value) VALUES ('legacy_crews', ?)",
+                    (json.dumps(legacy),),
+                )
                 self.db.execute(
                     "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
                 )
@@ -162,6 +175,46 @@ class StateStore:
 
     def close(self) -> None:
         self.db.close()
+
+    # -- the instance (appliance/daemon/instance.py) --------------------------------------------
+
+    def _meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row["value"])
+
+    def instance_id(self, configured: str | None, derived: str) -> str:
+        """The instance id this state belongs to: the recorded one (`record_instance_id`, at
+        the first start), else the configured one, else `derived`. A configured id that differs
+        from the recorded one is refused: the crews' containers and networks carry that one."""
+        recorded = self._meta("instance_id")
+        if recorded is None:
+            return configured or derived
+        if configured is not None and configured != recorded:
+            raise StateCorrupt(
+                f"{self.path.parent} belongs to instance {recorded!r} (its crews carry that id), "
+                f"the configuration says `daemon.instance` = {configured!r}: set it to "
+                f"{recorded!r}, or give the new id a new state directory"
+            )
+        return recorded
+
+    def record_instance_id(self, instance: str) -> None:
+        """Keep the id for every later start (once this daemon holds it: instance.py)."""
+        self.db.execute(
+            "INSERT OR IGNORE INTO meta(key, value) VALUES ('instance_id', ?)", (instance,)
+        )
+
+    def adoptable(self) -> tuple[set[str], set[str]]:
+        """(container ids, crew names) from before instance ids: the containers the rows name
+        (they may carry no instance label; the provider checks) and the crews that existed at
+        the migration (their volumes keep their former names)."""
+        ids = {
+            value
+            for row in self.db.execute("SELECT infra_id, agent_id FROM crews")
+            for value in (row["infra_id"], row["agent_id"])
+            if value
+        }
+        ids |= {slot.infra_id for slot in self.pool() if slot.infra_id}
+        return ids, set(json.loads(self._meta("legacy_crews") or "[]"))
 
     @staticmethod
     def _row(row: sqlite3.Row) -> CrewRow:

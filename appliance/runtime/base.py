@@ -13,8 +13,12 @@ network rules exist:
     provider.exec(crew, argv, ...)   -> streamed output, exit code
     provider.remove_crew(crew)       -> every container of the crew gone (volumes kept unless asked)
 
-Everything a provider creates carries the labels in `LABELS` so that `owned()` finds it after a
-crash (reconciliation at every start of applianced). Providers are synchronous and blocking (the
+Everything a provider creates carries the labels below, among them the appliance's instance id
+(`LABEL_INSTANCE`), so that `owned()` finds it after a crash (reconciliation at every start of
+applianced) and finds nothing of another appliance on the same engine: `owned()` and
+`remove_crew()` select by the instance id, never by name. Containers made before instance ids
+lack that label (labels cannot be added to a container); the daemon hands their ids, read from
+its own state, to `adopt()`. Providers are synchronous and blocking (the
 Docker API answers in milliseconds to a second); the trio daemon calls them with
 `trio.to_thread.run_sync`. `exec` is the exception: output is streamed, so it is an async
 generator, cancellable (cancellation kills the process).
@@ -31,6 +35,7 @@ import msgspec
 LABEL_APPLIANCE = "io.agent-appliance.owner"  # value: "applianced"
 LABEL_CREW = "io.agent-appliance.crew"  # value: crew name
 LABEL_ROLE = "io.agent-appliance.role"  # value: a ContainerRole
+LABEL_INSTANCE = "io.agent-appliance.instance"  # value: the appliance's instance id
 LABELS_OWNER_VALUE = "applianced"
 
 AGENT_UID = 1001
@@ -130,4 +135,8 @@ class RuntimeProvider(Protocol):
         timeout: float | None = None,
     ) -> AsyncIterator[ExecAttached | ExecOutput | ExecExited]: ...
     def remove_crew(self, crew: str, *, volumes: bool = False) -> None: ...  # idempotent
-    def owned(self) -> list[OwnedContainer]: ...
+    def bind_instance(self, instance: str) -> None: ...  # once, before anything is made
+    def owned(self) -> list[OwnedContainer]: ...  # this instance's only
+    # Containers recorded in the daemon's state that carry no instance label (made before
+    # instance ids) are this instance's too; `legacy_crews` keep their volumes' former names.
+    def adopt(self, container_ids: set[str], legacy_crews: set[str]) -> None: ...

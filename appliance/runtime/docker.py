@@ -15,6 +15,18 @@ attach fails), the caller owns the rollback: `launch_crew` in this package does 
 and calls `remove_crew` on failure. Everything carries the labels of base.py, so `owned()` and
 `remove_crew()` find it after a crash as well.
 
+Instances. A provider belongs to one appliance instance (`instance=`): its containers and
+volumes carry `io.agent-appliance.instance=<id>` and end their names in `.<id>`
+(`appliance-<crew>-<role>.<id>`, `appliance-<crew>-home.<id>`: names are unique on the engine,
+and two instances may have crews of one name), and everything it lists, adopts or removes is
+selected by that label, so it never touches another instance's crews, nor containers with no
+instance label. The exception is what the daemon hands to `adopt()`: containers made before
+instance ids (labels cannot be changed), recognised by the container ids in the daemon's own
+state; and their crews' volumes, which keep their former names (`appliance-<crew>-home`) as
+long as the crew lives. Whatever such a crew gets anew (a container re-created at reconcile)
+carries the label. A provider made without an instance (`doctor`) answers about runtimes and
+images but creates, lists and removes nothing.
+
 Before anything is created, every check that can fail is run: the crew name, the limits, the
 runtime (present in the engine and not known broken: never a silent fallback to another), both
 images (present locally: never pulled), and the mounts (an engine socket, or a directory holding
@@ -66,7 +78,7 @@ import msgspec
 import trio
 from docker.types import Mount
 
-from netns.addressing import check_crew_id
+from netns.addressing import check_crew_id, check_instance_id
 from netns.errors import NetConfigError
 
 from .base import (
@@ -74,6 +86,7 @@ from .base import (
     KNOWN_RUNTIMES,
     LABEL_APPLIANCE,
     LABEL_CREW,
+    LABEL_INSTANCE,
     LABEL_ROLE,
     LABELS_OWNER_VALUE,
     PIDS_LIMIT,
@@ -129,16 +142,28 @@ EXEC_KILLER = (
 KILL_WAIT = 10.0  # seconds for the kill exec and the stream to end after it
 
 
-def crew_labels(crew: str, role: ContainerRole) -> dict[str, str]:
-    return {LABEL_APPLIANCE: LABELS_OWNER_VALUE, LABEL_CREW: crew, LABEL_ROLE: role.value}
+def crew_labels(instance: str, crew: str, role: ContainerRole) -> dict[str, str]:
+    return {**volume_labels(instance, crew), LABEL_ROLE: role.value}
 
 
-def container_name(crew: str, role: ContainerRole) -> str:
-    return f"appliance-{crew}-{role.value}"
+def volume_labels(instance: str, crew: str) -> dict[str, str]:
+    return {LABEL_APPLIANCE: LABELS_OWNER_VALUE, LABEL_INSTANCE: instance, LABEL_CREW: crew}
 
 
-def volume_names(crew: str) -> dict[str, str]:
+def container_name(instance: str, crew: str, role: ContainerRole) -> str:
+    # The instance last, after a '.': "appliance-<crew>-" still starts every name of a crew,
+    # and neither crew names nor instance ids have a '.', so no two (crew, instance) pairs
+    # give one name (with a '-' they could: crew "a" of "b-agent-c" and "a-agent-b" of "c").
+    return f"appliance-{crew}-{role.value}.{instance}"
+
+
+def volume_names(instance: str, crew: str) -> dict[str, str]:
     """Container path -> the crew's named volume for it."""
+    return {HOME: f"appliance-{crew}-home.{instance}", TOOLS: f"appliance-{crew}-tools.{instance}"}
+
+
+def legacy_volume_names(crew: str) -> dict[str, str]:
+    """The names a crew's volumes had before instance ids (kept while that crew lives)."""
     return {HOME: f"appliance-{crew}-home", TOOLS: f"appliance-{crew}-tools"}
 
 
@@ -159,10 +184,20 @@ class DockerProvider:
         self,
         client: docker.DockerClient,
         *,
+        instance: str | None = None,
         infra_command: tuple[str, ...] = LONG_SLEEP,
         agent_command: tuple[str, ...] = LONG_SLEEP,
     ) -> None:
         # The agent container's PID 1 only keeps it alive; agent processes arrive by `exec`.
+        if instance is not None:
+            try:
+                check_instance_id(instance)
+            except NetConfigError as exc:
+                raise InvalidSpec("instance", str(exc)) from None
+        self.instance = instance
+        # Made before instance ids, recorded in the daemon's state (adopt()).
+        self._adopted: frozenset[str] = frozenset()
+        self._legacy_crews: frozenset[str] = frozenset()
         self.client = client
         self.api = client.api
         self.infra_command = infra_command
@@ -173,9 +208,28 @@ class DockerProvider:
         self._agents: dict[str, str] = {}
 
     @classmethod
-    def connect(cls, base_url: str | None = None) -> DockerProvider:
+    def connect(cls, base_url: str | None = None, *, instance: str | None = None) -> DockerProvider:
         client, _report = detect_engine(base_url)
-        return cls(client)
+        return cls(client, instance=instance)
+
+    def bind_instance(self, instance: str) -> None:
+        """Give a provider made without an instance (applianced makes its provider before it
+        reads the id from its state) its id, once: it never changes under a provider."""
+        try:
+            check_instance_id(instance)
+        except NetConfigError as exc:
+            raise InvalidSpec("instance", str(exc)) from None
+        if self.instance not in (None, instance):
+            raise InvalidSpec("instance", f"this provider is instance {self.instance!r}'s")
+        self.instance = instance
+
+    def _instance(self) -> str:
+        if self.instance is None:
+            raise InvalidSpec(
+                "instance",
+                "this provider has no instance id: it creates, lists and removes nothing",
+            )
+        return self.instance
 
     # --- runtimes ------------------------------------------------------------------------------
 
@@ -250,6 +304,7 @@ class DockerProvider:
     # --- the pod -------------------------------------------------------------------------------
 
     def create_infra(self, spec: CrewSpec) -> Pod:
+        instance = self._instance()
         self.check_spec(spec)
         crew = spec.name
         existing = [c for c in self.owned() if c.crew == crew]
@@ -267,8 +322,8 @@ class DockerProvider:
                 lambda: self.client.containers.create(
                     spec.infra_image,
                     list(self.infra_command),
-                    name=container_name(crew, ContainerRole.INFRA),
-                    labels=crew_labels(crew, ContainerRole.INFRA),
+                    name=container_name(instance, crew, ContainerRole.INFRA),
+                    labels=crew_labels(instance, crew, ContainerRole.INFRA),
                     user=f"{NOBODY}:{NOBODY}",
                     network_mode="none",
                     runtime=INFRA_RUNTIME,
@@ -292,6 +347,7 @@ class DockerProvider:
             return Pod(crew=crew, infra_id=container.id, infra_pid=pid, runtime=spec.runtime)
 
     def start_agent(self, spec: CrewSpec, pod: Pod) -> str:
+        instance = self._instance()
         mounts = self.check_spec(spec)
         crew = spec.name
         if pod.crew != crew:
@@ -301,7 +357,7 @@ class DockerProvider:
             # and one joined to a *new* container of the same id is impossible (ids are unique).
             rollback.step("check infra container", lambda: self._running_pid(pod.infra_id))
             volume_mounts = []
-            for target, volume in volume_names(crew).items():
+            for target, volume in self._volume_names(crew).items():
                 created = rollback.step(
                     f"create volume {volume}", partial(self._volume, crew, volume)
                 )
@@ -317,8 +373,8 @@ class DockerProvider:
                 lambda: self.client.containers.create(
                     spec.image,
                     list(self.agent_command),
-                    name=container_name(crew, ContainerRole.AGENT),
-                    labels=crew_labels(crew, ContainerRole.AGENT),
+                    name=container_name(instance, crew, ContainerRole.AGENT),
+                    labels=crew_labels(instance, crew, ContainerRole.AGENT),
                     user=f"{AGENT_UID}:{AGENT_UID}",
                     environment=environment,
                     working_dir=HOME,
@@ -365,15 +421,66 @@ class DockerProvider:
         if errors:
             raise CrewContainerError(crew, "remove crew", "; ".join(errors), rolled_back=False)
 
-    def owned(self) -> list[OwnedContainer]:
+    def adopt(self, container_ids: set[str], legacy_crews: set[str]) -> None:
+        """Containers of this instance that carry no instance label (made before instance ids):
+        the daemon knows them by the ids in its state. `owned()` lists them (only if they carry
+        the appliance's owner label and no instance label) and `remove_crew()` removes them;
+        `legacy_crews` keep their volumes' former names. Each call replaces the previous."""
+        self._adopted = frozenset(container_ids)
+        self._legacy_crews = frozenset(legacy_crews)
+
+    def _listed(self) -> list[dict[str, Any]]:
+        """This instance's containers as the engine lists them: by label, plus the adopted."""
+        instance = self._instance()
+        found: list[dict[str, Any]] = self._call(
+            "list containers",
+            lambda: self.api.containers(
+                all=True,
+                filters={
+                    "label": [
+                        f"{LABEL_APPLIANCE}={LABELS_OWNER_VALUE}",
+                        f"{LABEL_INSTANCE}={instance}",
+                    ]
+                },
+            ),
+        )
+        if self._adopted:
+            adopted = self._call(
+                "list adopted containers",
+                lambda: self.api.containers(all=True, filters={"id": sorted(self._adopted)}),
+            )
+            found += [
+                item
+                for item in adopted
+                if item["Id"] in self._adopted
+                and (item.get("Labels") or {}).get(LABEL_APPLIANCE) == LABELS_OWNER_VALUE
+                and LABEL_INSTANCE not in (item.get("Labels") or {})
+            ]
+        return found
+
+    def unowned(self) -> list[tuple[str, str, str | None]]:
+        """(container id, crew label, instance label or None) of the appliance-labelled
+        containers that are not this instance's: what reconcile leaves alone (and logs)."""
+        mine = {item["Id"] for item in self._listed()}
         found = self._call(
             "list containers",
             lambda: self.api.containers(
                 all=True, filters={"label": f"{LABEL_APPLIANCE}={LABELS_OWNER_VALUE}"}
             ),
         )
+        return [
+            (
+                item["Id"],
+                (item.get("Labels") or {}).get(LABEL_CREW, ""),
+                (item.get("Labels") or {}).get(LABEL_INSTANCE),
+            )
+            for item in found
+            if item["Id"] not in mine
+        ]
+
+    def owned(self) -> list[OwnedContainer]:
         out = []
-        for item in found:
+        for item in self._listed():
             labels = item.get("Labels") or {}
             try:
                 role = ContainerRole(labels.get(LABEL_ROLE, ""))
@@ -390,9 +497,17 @@ class DockerProvider:
         return out
 
     def owned_volumes(self) -> list[str]:
+        instance = self._instance()
         found = self._call(
             "list volumes",
-            lambda: self.api.volumes(filters={"label": f"{LABEL_APPLIANCE}={LABELS_OWNER_VALUE}"}),
+            lambda: self.api.volumes(
+                filters={
+                    "label": [
+                        f"{LABEL_APPLIANCE}={LABELS_OWNER_VALUE}",
+                        f"{LABEL_INSTANCE}={instance}",
+                    ]
+                }
+            ),
         )
         return [v["Name"] for v in (found.get("Volumes") or [])]
 
@@ -604,17 +719,39 @@ class DockerProvider:
             if exc.status_code != 409 or "in progress" not in str(exc):
                 raise
 
+    def _volume_names(self, crew: str) -> dict[str, str]:
+        """The crew's volumes: a crew from before instance ids keeps each former one that is
+        still there; anything else is named and labelled with the instance."""
+        names = volume_names(self._instance(), crew)
+        if crew in self._legacy_crews:
+            for target, volume in legacy_volume_names(crew).items():
+                if self._legacy_volume(crew, volume):
+                    names[target] = volume
+        return names
+
+    def _legacy_volume(self, crew: str, name: str) -> bool:
+        try:
+            labels = self.api.inspect_volume(name).get("Labels") or {}
+        except docker.errors.NotFound:
+            return False
+        return (
+            labels.get(LABEL_APPLIANCE) == LABELS_OWNER_VALUE
+            and labels.get(LABEL_CREW) == crew
+            and LABEL_INSTANCE not in labels
+        )
+
     def _volume(self, crew: str, name: str) -> bool:
         """Make sure the crew's volume exists; True if this call created it."""
+        instance = self._instance()
         try:
             volume = self.api.inspect_volume(name)
         except docker.errors.NotFound:
-            self.api.create_volume(
-                name, labels={LABEL_APPLIANCE: LABELS_OWNER_VALUE, LABEL_CREW: crew}
-            )
+            self.api.create_volume(name, labels=volume_labels(instance, crew))
             return True
         labels = volume.get("Labels") or {}
-        if labels.get(LABEL_CREW) != crew or labels.get(LABEL_APPLIANCE) != LABELS_OWNER_VALUE:
+        if labels != volume_labels(instance, crew) and not (
+            crew in self._legacy_crews and self._legacy_volume(crew, name)
+        ):
             raise RuntimeError(f"volume {name} exists but is not this crew's (labels {labels})")
         return False
 
@@ -625,15 +762,27 @@ class DockerProvider:
             pass
 
     def _crew_volumes(self, crew: str) -> list[str]:
+        instance = self._instance()
         found = self._call(
             "list volumes",
             lambda: self.api.volumes(
                 filters={
-                    "label": [f"{LABEL_APPLIANCE}={LABELS_OWNER_VALUE}", f"{LABEL_CREW}={crew}"]
+                    "label": [
+                        f"{LABEL_APPLIANCE}={LABELS_OWNER_VALUE}",
+                        f"{LABEL_INSTANCE}={instance}",
+                        f"{LABEL_CREW}={crew}",
+                    ]
                 }
             ),
         )
-        return [v["Name"] for v in (found.get("Volumes") or [])]
+        names = [v["Name"] for v in (found.get("Volumes") or [])]
+        if crew in self._legacy_crews:
+            names += [
+                volume
+                for volume in legacy_volume_names(crew).values()
+                if self._legacy_volume(crew, volume)
+            ]
+        return names
 
 
 class _Rollback:

@@ -97,6 +97,12 @@ class SubprocessProvider:
 
             shutil.rmtree(self.base_dir / crew, ignore_errors=True)
 
+    def bind_instance(self, instance: str) -> None:
+        """Nothing carries it: this provider's crews are this process's children."""
+
+    def adopt(self, container_ids: set[str], legacy_crews: set[str]) -> None:
+        """Nothing to adopt: this provider's crews live as long as its process."""
+
     def owned(self) -> list[OwnedContainer]:
         with self._lock:
             return [
