@@ -628,8 +628,10 @@ def _crew_tour(
             done = app.ctl(tour, "journal", "export", "--jsonl", show=False)
             kinds = {}
             for line in done.stdout.splitlines():
-                kind = json.loads(line)["type"]
-                kinds[kind] = kinds.get(kind, 0) + 1
+                # A signed export: a header line, the entries, a signed end line (docs/journal.md).
+                kind = json.loads(line).get("type")
+                if kind is not None:
+                    kinds[kind] = kinds.get(kind, 0) + 1
             if wanted <= set(kinds) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)

@@ -75,6 +75,7 @@ class Appliance:
     proxy_workers: int = 2  # [proxy] workers (the daemon's default is one per CPU)
     process: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
+    tree: Path | None = None  # the source tree applianced was started from (start())
     # False: no `daemon.instance` in the config (the daemon derives one from its state directory).
     configure_instance: bool = True
     # Run by an applianced from before instance ids (its objects carry the configured names).
@@ -178,6 +179,9 @@ resolve = {{ {resolve} }}
         """`tree`: the source tree to run applianced from (another version's), else this one."""
         log = self.tmp / f"applianced-{len(self.logs)}.log"
         self.logs.append(log)
+        # An applianced of another version is driven by that version's appliancectl (its admin
+        # protocol is its own: `run` before the upgraded session, for one).
+        self.tree = tree
         environment = proxy_env()
         environment.update(env or {})
         if tree is not None:
@@ -221,13 +225,17 @@ resolve = {{ {resolve} }}
         )
 
     def ctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        tree = self.tree
+        environment = proxy_env()
+        if tree is not None:
+            environment["PYTHONPATH"] = str(tree)
         return subprocess.run(
             [sys.executable, "-m", "appliance.cli", "--socket", str(self.socket), *args],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=proxy_env(),
-            cwd=ROOT,
+            env=environment,
+            cwd=tree or ROOT,
         )
 
     def ctl_json(self, *args: str) -> tuple[int, Any]:

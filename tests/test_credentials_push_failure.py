@@ -91,7 +91,8 @@ def test_a_revoke_the_proxy_does_not_confirm_is_journaled_and_the_proxy_restarte
     finally:
         if not gone(frozen):
             os.kill(frozen, signal.SIGCONT)  # the daemon did not kill it: let cleanup work
-    answer = json.loads(done.stdout.splitlines()[-1])
+    # An error is a JSON object on stderr (docs/cli.md: data on stdout, errors on stderr).
+    answer = json.loads(done.stderr.splitlines()[-1])
     assert done.returncode == 7, (done.stdout, done.stderr)
     assert answer["kind"] == "not_in_effect" and answer["ok"] is False, answer
     assert f"killed the proxy worker(s) that did not confirm (pid {frozen})" in answer["error"]

@@ -158,7 +158,10 @@ class _Session:
                         await self.control_send.send((kind, payload))
                 data = await self.stream.receive_some(65536)
                 if not data:
+                    # Expected (Ctrl-C, a killed appliancectl): not an error, and the command
+                    # must not outlive its client.
+                    log.info("run: the admin client went away; the command is stopped")
                     break
         except (framing.FramingError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.info("run session input ended: %s", exc)
+            log.info("run: the admin client went away (%s); the command is stopped", exc)
         everything.cancel()

@@ -533,7 +533,13 @@ class DockerProvider:
                 raise InvalidSpec("env", f"bad variable name {key!r}")
         token = secrets.token_hex(8)
         environment = {**(env or {}), EXEC_MARKER: token}
-        command = ["/bin/sh", "-c", EXEC_WRAPPER, "appliance-exec", *argv]
+        wrapper = EXEC_WRAPPER
+        if tty and size is not None and all(isinstance(n, int) and 0 < n < 65536 for n in size):
+            # The engine sizes an exec's TTY only after it started (exec resize), so a command
+            # that looks at once (`stty size`, a full-screen program) could see no size; the
+            # wrapper sets it first, as the terminal had it.
+            wrapper = f"stty rows {size[0]} cols {size[1]} 2>/dev/null; {EXEC_WRAPPER}"
+        command = ["/bin/sh", "-c", wrapper, "appliance-exec", *argv]
         if attach:
             from .attached import exec_attached
 
