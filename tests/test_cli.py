@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -173,12 +174,66 @@ def test_completion_scripts(tmp_path: Path) -> None:
         "--allow",
         "fish",
     ], done
-    for shell in ("zsh", "fish"):
-        if shutil.which(shell):
-            check = [shell, "-n", str(tmp_path / f"c.{shell}")]
-            assert subprocess.run(check, capture_output=True).returncode == 0, shell
     fish_script = (tmp_path / "c.fish").read_text()
     assert "complete -c appliancectl -n '__appliancectl_at crew' -a create" in fish_script
+
+
+def _shell(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (scripts/install --dev installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def test_zsh_completion_through_bashcompinit(tmp_path: Path) -> None:
+    """zsh runs the script through bashcompinit, which fills COMP_WORDS as a zsh array
+    (1-based) and COMP_CWORD as bash counts: called here exactly so. The candidates are what
+    zsh's compadd then narrows to the typed prefix."""
+    zsh = _shell("zsh")
+    (tmp_path / "c.zsh").write_text(ctl("completion", "zsh").stdout)
+    script = (
+        "autoload -U compinit && compinit -u -d " + str(tmp_path / "zcompdump") + "\n"
+        f"source {tmp_path / 'c.zsh'}\n"
+        'try() { local -a COMP_WORDS COMPREPLY; local COMP_CWORD; COMP_WORDS=( "$@" ); '
+        'COMP_CWORD=$(( $# - 1 )); _appliancectl; print -r -- "${(j: :)COMPREPLY}"; }\n'
+        "try appliancectl cr\n"
+        "try appliancectl journal ''\n"
+        "try appliancectl crew create c1 --al\n"
+    )
+    done = subprocess.run([zsh, "-f", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done
+    top, journal, create = (set(line.split()) for line in done.stdout.splitlines())
+    assert {"crew", "cred", "journal", "--version"} <= top and "prune" not in top, top
+    assert {"tail", "prune", "backup", "restore"} <= journal and "crew" not in journal, journal
+    assert {"--allow", "--mode", "--ssrf-allow"} <= create and "create" not in create, create
+
+
+def test_fish_completion(tmp_path: Path) -> None:
+    """fish asks the script itself (`complete -C`), as when Tab is pressed."""
+    fish = _shell("fish")
+    path = tmp_path / "appliancectl.fish"
+    path.write_text(ctl("completion", "fish").stdout)
+    assert subprocess.run([fish, "-n", str(path)], capture_output=True).returncode == 0
+
+    def complete(line: str) -> list[str]:
+        done = subprocess.run(
+            [fish, "--no-config", "-c", f"source {path}; complete -C {shlex.quote(line)}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0 and not done.stderr, done
+        return [candidate.split("\t", 1)[0] for candidate in done.stdout.splitlines()]
+
+    assert complete("appliancectl cr") == ["cred", "crew"]
+    assert "prune" in complete("appliancectl journal ") and "crew" not in complete(
+        "appliancectl journal "
+    )
+    assert complete("appliancectl crew create c1 --al") == ["--allow"]
+    assert complete("appliancectl completion f") == ["fish"]
 
 
 def test_ctrl_c_is_exit_130_without_a_traceback(tmp_path: Path) -> None:

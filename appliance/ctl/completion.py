@@ -69,6 +69,9 @@ def bash(parser: argparse.ArgumentParser) -> str:
     table = "\n".join(cases)
     return f"""# appliancectl completion for bash (appliancectl completion bash)
 _appliancectl() {{
+    # zsh runs this through bashcompinit, which fills COMP_WORDS as a zsh array (1-based) but
+    # COMP_CWORD as bash counts (0-based): index as bash does.
+    [[ -n ${{ZSH_VERSION-}} ]] && setopt localoptions ksharrays
     local cur path word words crews i
     cur=${{COMP_WORDS[COMP_CWORD]}}
     path=""
@@ -121,7 +124,9 @@ def fish(parser: argparse.ArgumentParser) -> str:
         "    string join ' ' $path",
         "end",
         "function __appliancectl_at",
-        '    test (__appliancectl_path) = "$argv[1]"',
+        # (a command substitution that prints nothing is no argument at all to `test`)
+        "    set -l path (__appliancectl_path)",
+        '    test "$path" = "$argv[1]"',
         "end",
         "complete -c appliancectl -f",
     ]
