@@ -134,7 +134,9 @@ def test_rendered_config_parses_with_the_defaults_of_the_role(rendered: Path) ->
             "proxy_port": 9119,
         },
         "proxy": {"workers": 0, "uid": 1002, "gid": 1002},
+        "journal": {"keep_days": 365.0, "keep_bytes": 20 << 30},
     }
+    assert (config.journal.keep_days, config.journal.keep_bytes) == (365.0, 20 << 30)
 
 
 def test_rendered_unit(rendered: Path) -> None:
