@@ -62,6 +62,13 @@ def _routes_any(networks: list[str]) -> bool:
     return any(net.rsplit(".", 1)[0] + "." in out.stdout for net in networks)
 
 
+def sigint_as_in_a_terminal() -> None:
+    """For Popen(preexec_fn=...) of a process a test Ctrl-Cs: SIGINT's default action, as a
+    terminal's foreground job has it. A test run started in the background (`cmd &`, nohup, some
+    CI runners) hands SIGINT down ignored, and a program rightly keeps an ignored SIGINT so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Appliance:
     tmp: Path

@@ -4,6 +4,7 @@ path against the full CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from appliance.ctl import exits
 from appliance.ctl.main import build_parser, split_run
+from tests.daemon_support import sigint_as_in_a_terminal
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_DAEMON = ("--socket", "/nonexistent/admin.sock")
@@ -243,7 +245,12 @@ def test_ctrl_c_is_exit_130_without_a_traceback(tmp_path: Path) -> None:
     server.bind(str(path))
     server.listen(4)
     held: list[socket.socket] = []
-    threading.Thread(target=lambda: held.append(server.accept()[0]), daemon=True).start()
+
+    def accept_one() -> None:
+        with contextlib.suppress(OSError):  # closed at the end of the test
+            held.append(server.accept()[0])
+
+    threading.Thread(target=accept_one, daemon=True).start()
     for args in (("crew", "ls"), ("events", "-f")):
         process = subprocess.Popen(
             [sys.executable, "-m", "appliance.cli", "--socket", str(path), *args],
@@ -251,13 +258,14 @@ def test_ctrl_c_is_exit_130_without_a_traceback(tmp_path: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            preexec_fn=sigint_as_in_a_terminal,
         )
         time.sleep(1.5)
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=30)
         assert process.returncode == exits.INTERRUPTED, (args, out, err)
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-        threading.Thread(target=lambda: held.append(server.accept()[0]), daemon=True).start()
+        threading.Thread(target=accept_one, daemon=True).start()
     server.close()
 
 

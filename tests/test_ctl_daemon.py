@@ -17,7 +17,7 @@ import yaml
 
 from appliance.ctl import exits
 from tests.conftest import ROOT, proxy_env
-from tests.daemon_support import REACH_TEST_HOSTS, Appliance
+from tests.daemon_support import REACH_TEST_HOSTS, Appliance, sigint_as_in_a_terminal
 
 
 def _crew(app: Appliance, short: str) -> str:
@@ -193,6 +193,7 @@ def test_status_events_search_and_formats(appliance: Appliance) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=ROOT,
+        preexec_fn=sigint_as_in_a_terminal,
     )
     try:
         time.sleep(2)
@@ -233,6 +234,7 @@ def test_crew_ls_watch_repeats_until_ctrl_c(appliance: Appliance) -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        preexec_fn=sigint_as_in_a_terminal,
     )
     time.sleep(2.5)
     process.send_signal(signal.SIGINT)
