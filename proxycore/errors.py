@@ -52,3 +52,16 @@ class UpstreamError(ProxyError):
     """The upstream could not be reached or broke the protocol."""
 
     status_hint = 502
+
+
+class Http2ConnectionError(ProxyError):
+    """The HTTP/2 connection must end: the peer broke the protocol or a limit of the connection
+    (proxycore/protocol/http2). A GOAWAY carrying `error_code` (RFC 9113 7) is queued for the
+    peer already; `rule` names the cause for the journal."""
+
+    status_hint = 400
+
+    def __init__(self, message: str, *, error_code: int, rule: str) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+        self.rule = rule

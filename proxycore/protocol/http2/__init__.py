@@ -1,0 +1,43 @@
+"""HTTP/2 on the agent side, sans-IO: the h2 package's state machine wrapped once.
+
+`connection.H2Server` is the only code that touches h2; it reports our own events (`events`)
+and enforces the connection's limits (`limits.H2Limits`, docs/proxy.md "HTTP/2"). `messages`
+turns a stream's request into the HTTP/1.1 head the exchange reads, and a response head back.
+"""
+
+from __future__ import annotations
+
+from proxycore.protocol.http2.connection import PREFACE, ErrorCode, H2Server, preface_state
+from proxycore.protocol.http2.events import (
+    ConnectionEnded,
+    DataReceived,
+    H2Event,
+    PingReceived,
+    RequestReceived,
+    SettingsReceived,
+    StreamEnded,
+    StreamReset,
+    WindowOpened,
+)
+from proxycore.protocol.http2.limits import H2Limits
+from proxycore.protocol.http2.messages import MessageRefused, request_head, response_fields
+
+__all__ = [
+    "PREFACE",
+    "ConnectionEnded",
+    "DataReceived",
+    "ErrorCode",
+    "H2Event",
+    "H2Limits",
+    "H2Server",
+    "MessageRefused",
+    "PingReceived",
+    "RequestReceived",
+    "SettingsReceived",
+    "StreamEnded",
+    "StreamReset",
+    "WindowOpened",
+    "preface_state",
+    "request_head",
+    "response_fields",
+]

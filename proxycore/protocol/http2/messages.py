@@ -1,0 +1,128 @@
+"""HTTP/2 messages to and from the exchange's HTTP/1.1 form (RFC 9113 8.3, 8.2.2, 8.2.3).
+
+Theory of operation: a stream's request goes through the same exchange as an HTTP/1.1 request
+(`plan_request`: policy, SSRF checks, credential injection, scrubbing, refusals). The seam is
+the HTTP/1.1 head: `request_head` writes the stream's request as one, which the strict HTTP/1.1
+parser then reads like any other, so no second reading of a request exists. Writing it is safe
+only for what cannot change its meaning in HTTP/1.1, so every field name must be a token and
+every value free of CR, LF, NUL and other controls (h2 checks some of this; we check all of it
+here, once): anything else refuses the stream (`MessageRefused`, 400).
+
+The request target: a request to the proxy itself (its :authority is the gateway address the
+connection arrived on) is origin-form (the reverse routes, the local API); any other authority
+is a proxy request in absolute-form (`http://authority/path`), as an HTTP/1.1 client writes it
+to a proxy. CONNECT (RFC 9113 8.5) and extended CONNECT (RFC 8441) are refused here: tunnels
+over a stream are not served yet.
+
+A request with a body and no content-length is written chunked (the exchange re-frames it
+anyway); "connection: close" makes each stream one exchange.
+
+`response_fields` goes the other way: an HTTP/1.1 response head (already scrubbed by the
+exchange) becomes the :status and the fields of an HTTP/2 response, minus the
+connection-specific fields HTTP/2 forbids (RFC 9113 8.2.2).
+"""
+
+from __future__ import annotations
+
+import re
+
+from proxycore.errors import PolicyDenied
+from proxycore.protocol import http1
+from proxycore.protocol.http1.grammar import TOKEN
+from proxycore.protocol.http2.events import RequestReceived
+from proxycore.protocol.policy import normalize_host
+
+__all__ = ["MessageRefused", "request_head", "response_fields"]
+
+_TOKEN_RE = re.compile(TOKEN)
+# Field values: VCHAR, obs-text, SP and HTAB inside (RFC 9110 5.5); no leading or trailing
+# whitespace (RFC 9113 8.2.1).
+_VALUE_RE = re.compile(
+    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
+)
+_TARGET_RE = re.compile(rb"[\x21-\x7e]+")
+# Replaced by the head's own (host from :authority, framing, connection).
+_REPLACED = frozenset({b"host", b"connection", b"transfer-encoding", b"keep-alive", b"te"})
+# RFC 9113 8.2.2: connection-specific fields never go into an HTTP/2 message.
+_CONNECTION_SPECIFIC = http1.HOP_BY_HOP | {b"connection", b"keep-alive", b"proxy-connection"}
+
+
+class MessageRefused(Exception):
+    """Internal: the stream's request cannot be written as HTTP/1.1; answer `status`."""
+
+    def __init__(self, status: int, error: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error = error
+        self.message = message
+
+
+def _authority_host(authority: bytes) -> str:
+    text = authority.decode("ascii", "replace")
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def request_head(request: RequestReceived, gateway: str) -> bytes:
+    """The stream's request as an HTTP/1.1 head (see the module docstring)."""
+    method = request.method
+    if method == b"CONNECT":
+        what = "extended CONNECT (RFC 8441)" if request.protocol else "CONNECT"
+        raise MessageRefused(
+            501,
+            "not_implemented",
+            f"{what} over HTTP/2 is not served by this proxy; use CONNECT over HTTP/1.1",
+        )
+    if not _TOKEN_RE.fullmatch(method):
+        raise MessageRefused(400, "bad_request", "bad :method")
+    path, authority = request.path, request.authority
+    if not _TARGET_RE.fullmatch(path) or not (path[:1] == b"/" or path == b"*"):
+        raise MessageRefused(400, "bad_request", "bad :path")
+    if not authority or not _TARGET_RE.fullmatch(authority) or b"@" in authority:
+        raise MessageRefused(400, "bad_request", "bad or missing :authority")
+    try:
+        own = normalize_host(_authority_host(authority)) == gateway
+    except PolicyDenied:
+        own = False
+    if own:
+        target = path
+    else:
+        scheme = request.scheme.lower() or b"http"
+        if scheme not in (b"http", b"https"):
+            raise MessageRefused(400, "bad_request", "bad :scheme")
+        target = scheme + b"://" + authority + path
+    lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method, target, authority)]
+    cookies: list[bytes] = []
+    length: bytes | None = None
+    for name, value in request.headers:
+        if not _TOKEN_RE.fullmatch(name) or not _VALUE_RE.fullmatch(value):
+            raise MessageRefused(400, "bad_request", "a header field HTTP/1.1 cannot carry")
+        if name in _REPLACED:
+            continue
+        if name == b"cookie":
+            cookies.append(value)  # RFC 9113 8.2.3: one field again, "; "-joined
+            continue
+        if name == b"content-length":
+            if length is not None and value != length:
+                raise MessageRefused(400, "bad_request", "conflicting content-length")
+            if length is not None:
+                continue
+            length = value
+        lines.append(b"%s: %s\r\n" % (name, value))
+    if cookies:
+        lines.append(b"cookie: %s\r\n" % b"; ".join(cookies))
+    if length is None and not request.ended:
+        lines.append(b"transfer-encoding: chunked\r\n")
+    lines.append(b"connection: close\r\n\r\n")
+    return b"".join(lines)
+
+
+def response_fields(head: http1.ResponseHead) -> list[tuple[bytes, bytes]]:
+    """An HTTP/1.1 response head's fields for an HTTP/2 response: lowercase names, no
+    connection-specific fields (nor any field a Connection value names)."""
+    return [
+        (name, value)
+        for name, value in http1.strip_hop_by_hop(head.headers, keep_underscores=True)
+        if name not in _CONNECTION_SPECIFIC
+    ]
