@@ -38,6 +38,7 @@ import trio
 from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import LINGER_SECONDS, ByteStream, PlainStream, lingering_close
 from proxycore.io.forward import serve_forward
+from proxycore.io.http2 import PrefaceReceived, serve_http2
 from proxycore.io.keeper_client import serve_keeper
 from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
 from proxycore.io.tunnel import serve_tunnel
@@ -50,6 +51,7 @@ from proxycore.protocol.exchange import (
     plan_request,
     refuse_unparsed,
 )
+from proxycore.protocol.http2 import preface_state
 from proxycore.protocol.plans import (
     Forward,
     OpenTunnel,
@@ -219,6 +221,9 @@ class ClientConnection:
             self.progress = None
             try:
                 head = await self.read_head()
+            except PrefaceReceived:
+                await serve_http2(self)
+                return None
             except HttpProtocolError as exc:
                 crew = self.crew
                 plan = refuse_unparsed(crew.name, crew.mode, exc.status_hint, str(exc))
@@ -431,7 +436,12 @@ class ClientConnection:
         # head must arrive within head_timeout (slowloris), however it is dribbled.
         head_deadline = now + limits.head_timeout if buffer else math.inf
         while True:
-            if buffer:
+            if buffer[:3] == b"PRI" and self.requests == 0 and preface_state(buffer) is not False:
+                # HTTP/2 with prior knowledge (RFC 9113 3.3): the client preface where the
+                # first head would start; read on while it is only a prefix of it.
+                if preface_state(buffer):
+                    raise PrefaceReceived
+            elif buffer:
                 parsed = http1.parse_request_head(buffer, self.runtime.http_limits)
                 if parsed is not None:
                     head, consumed = parsed

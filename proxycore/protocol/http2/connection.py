@@ -370,6 +370,14 @@ class H2Server:
         self._end(stream_id)
         return sent
 
+    def stop_receiving(self, stream_id: int) -> None:
+        """The response is complete and the request body is not wanted: RST_STREAM NO_ERROR
+        (RFC 9113 8.1), unless the client already ended its side."""
+        stream = self._h2.streams.get(stream_id)
+        if stream is not None and not stream.closed:
+            self._send(lambda: self._h2.reset_stream(stream_id, ErrorCode.NO_ERROR))
+            self._end(stream_id)
+
     def reset(self, stream_id: int, code: int = ErrorCode.CANCEL) -> None:
         """RST_STREAM (only on a stream that is still open on our side)."""
         if stream_id in self._live:

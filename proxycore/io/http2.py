@@ -1,0 +1,512 @@
+"""HTTP/2 over cleartext (h2c) on the agent side: one connection, many streams, one exchange each.
+
+Theory of operation
+-------------------
+`proxycore/io/connection.py` hands a connection over here when it opens with the HTTP/2 client
+preface (prior knowledge, RFC 9113 3.3). `H2Session` then owns the socket: one task reads it
+and feeds the sans-IO `H2Server` (proxycore/protocol/http2), which enforces the connection's
+limits (an attack ends the connection with GOAWAY and a `request_refused` event, route
+"connection", naming the rule); every write goes through one lock, so what h2 queued goes out
+in order and never piles up: a stream queues one frame and writes it before the next.
+
+Each stream is served by its own `ClientConnection` (the same class as an HTTP/1.1 connection)
+over a `StreamPipe`: its input is the stream's request written as an HTTP/1.1 head
+(proxycore/protocol/http2/messages.py) and body, its output the HTTP/1.1 response the exchange
+writes, which the pipe reads back (the strict parser again) into HEADERS and DATA frames. So
+every stream goes through `plan_request` and the forward path unchanged: policy, SSRF checks,
+credential injection, header scrubbing, the response scrubber, refusals, fairness, deadlines,
+fault containment, and exactly one terminal event with byte counts. An HTTP/2 upstream will
+take the other side of the same seam: the pipe's response side is where its frames would enter.
+
+Survival: a stream's failure ends that stream (RST_STREAM after whatever was sent), never its
+siblings; only a broken connection (the socket, a GOAWAY) ends them all, each with its own
+terminal event naming why. Memory: a stream's request body is acknowledged to the client only
+as its exchange reads it, so a stream holds at most the stream window and a connection at most
+the connection window (limits.py); each open stream counts as one of the crew's connections
+(`max_connections_per_crew`), so a crew's streams are bounded as its HTTP/1.1 requests are; a
+response waits for the client's flow-control window at most `stall_timeout`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from proxycore.errors import Http2ConnectionError, HttpProtocolError
+from proxycore.io.fastio import PlainStream
+from proxycore.io.progress import RECV_SIZE
+from proxycore.protocol import http1
+from proxycore.protocol.events import RequestRefused
+from proxycore.protocol.http2 import (
+    DataReceived,
+    ErrorCode,
+    H2Event,
+    H2Limits,
+    H2Server,
+    MessageRefused,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    WindowOpened,
+    request_head,
+    response_fields,
+)
+from proxycore.protocol.plans import Request
+
+if TYPE_CHECKING:
+    from proxycore.io.connection import ClientConnection
+
+__all__ = ["H2Session", "PrefaceReceived", "StreamPipe", "h2_limits", "serve_http2"]
+
+
+class PrefaceReceived(Exception):
+    """Internal: the connection opened with the HTTP/2 client preface (connection.py)."""
+
+
+def h2_limits(runtime_limits: object) -> H2Limits:
+    """The connection limits: the defaults, the header list bounded as HTTP/1.1 heads are."""
+    max_header_bytes = getattr(runtime_limits, "max_header_bytes", 32768)
+    return H2Limits(max_header_list_size=max_header_bytes)
+
+
+async def serve_http2(conn: ClientConnection) -> None:
+    """Serve the rest of `conn` as HTTP/2 (its buffer starts with the client preface)."""
+    await H2Session(conn).run()
+
+
+class H2Session:
+    """One HTTP/2 connection from an agent (see the module docstring)."""
+
+    def __init__(self, conn: ClientConnection) -> None:
+        self.conn = conn
+        self.runtime = conn.runtime
+        self.crew = conn.crew
+        self.sock = conn.stream
+        self.limits = h2_limits(conn.limits)
+        self.server = H2Server(self.limits)
+        self.pipes: dict[int, StreamPipe] = {}
+        self.lock = trio.Lock()
+        self.dirty = trio.Event()
+        self.nursery: trio.Nursery | None = None
+        self.streams_done = trio.Event()
+        self.dead = False  # a write was cut mid-frame: nothing more may be written
+
+    async def run(self) -> None:
+        conn = self.conn
+        # From here on nothing HTTP/1.1 is written on this connection (connection.py reads
+        # response_started as "too late for an HTTP/1.1 answer").
+        conn.response_started = True
+        conn.deadline = math.inf
+        data = bytes(conn.buffer)
+        conn.buffer.clear()
+        why = "agent_closed"
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            nursery.start_soon(self._write_loop)
+            try:
+                why = await self._read_loop(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                why = f"connection broken: {exc}"
+            finally:
+                for pipe in list(self.pipes.values()):
+                    pipe.break_off(why)
+            # The streams finish (each writes its terminal event); then the writer goes.
+            if self.pipes:
+                self.streams_done = trio.Event()
+                await self.streams_done.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _read_loop(self, data: bytes) -> str:
+        server, sock = self.server, self.sock
+        idle = self.conn.limits.idle_keepalive_timeout
+        while True:
+            if data:
+                try:
+                    events = server.receive_data(data, time.monotonic())
+                except Http2ConnectionError as exc:
+                    self._journal(exc)
+                    await self.flush()
+                    return f"h2 connection error: {exc.rule}"
+                self._dispatch(events)
+            await self.flush()
+            if server.closed and not self.pipes:
+                return "agent_goaway"
+            with trio.move_on_after(idle) as scope:
+                data = await sock.receive(RECV_SIZE)
+            if scope.cancelled_caught:
+                if self.pipes:
+                    continue  # the streams have their own deadlines
+                server.graceful_goaway()
+                await self.flush()
+                return "idle"
+            if not data:
+                return "agent_closed"
+
+    async def _write_loop(self) -> None:
+        """Writes what the pipes queued without awaiting (window updates as bodies are read)."""
+        while True:
+            await self.dirty.wait()
+            self.dirty = trio.Event()
+            try:
+                await self.flush()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return  # the reader sees the broken socket and ends the session
+
+    def kick(self) -> None:
+        self.dirty.set()
+
+    async def flush(self) -> None:
+        async with self.lock:
+            await self.send_locked()
+
+    async def send_locked(self) -> None:
+        """Write what h2 queued (the caller holds the lock). A client that reads nothing for
+        `read_timeout` ends the connection."""
+        if self.dead:
+            raise trio.BrokenResourceError("the connection is broken")
+        data = self.server.data_to_send()
+        if not data:
+            return
+        # Shielded: a frame cut in the middle (a stream's exchange cancelled while it writes)
+        # would break the connection for every stream.
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self.conn.limits.read_timeout) as scope:
+                try:
+                    await self.sock.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    self._die()
+                    raise
+        if scope.cancelled_caught:
+            self._die()
+            raise trio.BrokenResourceError("the agent stopped reading")
+
+    def _die(self) -> None:
+        """Writing failed: end the reader too (it sees EOF) and every stream with it."""
+        self.dead = True
+        try:
+            self.sock.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _dispatch(self, events: list[H2Event]) -> None:
+        for event in events:
+            if isinstance(event, RequestReceived):
+                self._start_stream(event)
+            elif isinstance(event, DataReceived):
+                pipe = self.pipes.get(event.stream_id)
+                if pipe is None:
+                    self.server.acknowledge(event.stream_id, event.flow_length)
+                else:
+                    pipe.feed_body(event.data, event.flow_length, ended=event.ended)
+            elif isinstance(event, StreamEnded):
+                pipe = self.pipes.get(event.stream_id)
+                if pipe is not None:
+                    pipe.end_body()
+            elif isinstance(event, StreamReset):
+                pipe = self.pipes.get(event.stream_id)
+                if pipe is not None:
+                    pipe.break_off("agent_reset" if event.by_peer else event.why or "reset")
+            elif isinstance(event, WindowOpened):
+                if event.stream_id == 0:
+                    for pipe in self.pipes.values():
+                        pipe.wake_sender()
+                else:
+                    pipe = self.pipes.get(event.stream_id)
+                    if pipe is not None:
+                        pipe.wake_sender()
+
+    def _start_stream(self, event: RequestReceived) -> None:
+        crew, runtime = self.crew, self.runtime
+        assert self.nursery is not None
+        method = event.method.decode("ascii", "replace")
+        pipe = StreamPipe(self, event.stream_id, event.method)
+        self.pipes[event.stream_id] = pipe
+        crew.connections += 1
+        request = Request(crew.name, crew.mode, method=method)
+        refusal = None
+        if crew.connections > runtime.limits.max_connections_per_crew:
+            # Each stream is one of the crew's requests in flight, as a connection is.
+            refusal = request.refused(
+                503,
+                "overloaded",
+                f"crew {crew.name} has {crew.connections - 1} connections and streams open; "
+                "try again shortly",
+                rule="max_connections_per_crew",
+                close=False,
+            )
+        else:
+            try:
+                head = request_head(event, crew.gateway)
+            except MessageRefused as exc:
+                refusal = request.refused(exc.status, exc.error, exc.message, close=False)
+            else:
+                pipe.feed_head(head, chunked=b"\r\ntransfer-encoding: chunked\r\n" in head)
+                if event.ended:
+                    pipe.end_body()
+        if refusal is not None:
+            runtime.sink.emit(refusal.event)
+            self.nursery.start_soon(self._answer, pipe, refusal.response())
+        else:
+            self.nursery.start_soon(self._serve_stream, pipe, method)
+
+    async def _serve_stream(self, pipe: StreamPipe, method: str) -> None:
+        try:
+            if pipe.broken is not None:
+                # Reset (or the connection lost) before its exchange began: its terminal event.
+                crew = self.crew
+                request = Request(crew.name, crew.mode, method=method)
+                self.runtime.sink.emit(request.errored(pipe.broken, 0))
+                return
+            conn = type(self.conn)(self.runtime, pipe, self.crew)
+            pipe.exchange = conn
+            await conn.run()
+        finally:
+            self._stream_done(pipe)
+
+    async def _answer(self, pipe: StreamPipe, response: bytes) -> None:
+        """A stream refused before its exchange: the refusal is its answer."""
+        try:
+            await pipe.send_all(response)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            self._stream_done(pipe)
+
+    def _stream_done(self, pipe: StreamPipe) -> None:
+        self.crew.connections -= 1
+        self.pipes.pop(pipe.stream_id, None)
+        pipe.close()
+        self.kick()
+        if not self.pipes:
+            self.streams_done.set()
+
+    def _journal(self, exc: Http2ConnectionError) -> None:
+        crew = self.crew
+        self.runtime.sink.emit(
+            RequestRefused(
+                crew=crew.name,
+                mode=crew.mode,
+                route="connection",
+                method="",
+                host="",
+                port=0,
+                rule=exc.rule,
+                status=0,
+                message=f"HTTP/2 GOAWAY {ErrorCode(exc.error_code).name}: {exc}"[:300],
+            )
+        )
+
+
+class StreamPipe(PlainStream):
+    """One stream as the byte stream of an HTTP/1.1 connection that carries one exchange.
+
+    Reads give the request head and body as HTTP/1.1 (acknowledging each piece to the client's
+    flow control as it is taken); writes take the HTTP/1.1 response and send it as HEADERS and
+    DATA, within the client's windows. Not a socket: `sock` is never set (the tunnel path,
+    which needs one, is refused for streams before it is planned).
+    """
+
+    __slots__ = (
+        "_body",
+        "_chunked",
+        "_closing",
+        "_done",
+        "_eof",
+        "_method",
+        "_out",
+        "_readable",
+        "_reader",
+        "_session",
+        "_writable",
+        "broken",
+        "exchange",
+        "stream_id",
+    )
+
+    def __init__(self, session: H2Session, stream_id: int, method: bytes) -> None:
+        # No socket (PlainStream's __init__ is not called): every method is overridden.
+        self._session = session
+        self.stream_id = stream_id
+        self._method = method
+        self._body: collections.deque[tuple[bytes, int]] = collections.deque()
+        self._chunked = False
+        self._eof = False
+        self._closing = False
+        self._done = False  # the response's END_STREAM went out
+        self._out = bytearray()  # a response head not yet complete
+        self._reader: http1.BodyReader | None = None
+        self._readable = trio.Event()
+        self._writable = trio.Event()
+        self.broken: str | None = None
+        self.exchange: ClientConnection | None = None
+
+    # -- the request side (fed by the session, read by the exchange) --------------------------
+
+    def feed_head(self, head: bytes, *, chunked: bool) -> None:
+        self._chunked = chunked
+        self._body.append((head, 0))
+        self._readable.set()
+
+    def feed_body(self, data: bytes, flow_length: int, *, ended: bool) -> None:
+        if data and self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        if data or flow_length:
+            self._body.append((data, flow_length))
+        if ended:
+            self.end_body()
+        self._readable.set()
+
+    def end_body(self) -> None:
+        if not self._eof:
+            self._eof = True
+            if self._chunked:
+                self._body.append((http1.LAST_CHUNK, 0))
+        self._readable.set()
+
+    def break_off(self, why: str) -> None:
+        """The stream (or the whole connection) is gone: the exchange ends, naming why."""
+        if self.broken is None:
+            self.broken = why
+        self._readable.set()
+        self._writable.set()
+        if self.exchange is not None and not self._done:
+            self.exchange.end(why)
+
+    def wake_sender(self) -> None:
+        self._writable.set()
+
+    def try_receive(self, max_bytes: int) -> bytes | None:
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        if self._closing:
+            return b""
+        body = self._body
+        while body:
+            data, flow = body.popleft()
+            if flow:
+                self._session.server.acknowledge(self.stream_id, flow)
+                self._session.kick()
+            if data:
+                return data
+        return b"" if self._eof else None
+
+    async def receive_after_wait(self, max_bytes: int) -> bytes:
+        await trio.lowlevel.checkpoint()
+        while True:
+            data = self.try_receive(max_bytes)
+            if data is not None:
+                return data
+            self._readable = trio.Event()
+            await self._readable.wait()
+
+    async def receive(self, max_bytes: int) -> bytes:
+        return await self.receive_after_wait(max_bytes)
+
+    # -- the response side (written by the exchange) -------------------------------------------
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        if self._done:
+            return  # nothing follows a complete response (the exchange wrote its last bytes)
+        session = self._session
+        limits = session.runtime.http_limits
+        try:
+            if self._reader is None:
+                self._out += data
+                while True:
+                    parsed = http1.parse_response_head(
+                        self._out, limits, request_method=self._method
+                    )
+                    if parsed is None:
+                        return
+                    head, used = parsed
+                    del self._out[:used]
+                    fields = response_fields(head)
+                    if 100 <= head.status < 200:
+                        if head.status != 101:  # RFC 9113 8.6: no 101 in HTTP/2
+                            await self._headers(head.status, fields, end=False)
+                        continue
+                    if head.body_kind is http1.BodyKind.NONE:
+                        await self._headers(head.status, fields, end=True)
+                        return
+                    await self._headers(head.status, fields, end=False)
+                    self._reader = http1.BodyReader.for_response(head, limits)
+                    data = bytes(self._out)
+                    self._out.clear()
+                    break
+            piece = self._reader.feed(bytes(data))
+        except HttpProtocolError as exc:
+            # Our own exchange wrote it: a bug, not the agent's doing. The stream ends.
+            self._session.server.reset(self.stream_id, ErrorCode.INTERNAL_ERROR)
+            self._session.kick()
+            raise trio.BrokenResourceError(f"unreadable response: {exc}") from None
+        await self._data(piece, end=self._reader.done)
+
+    async def _headers(self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool) -> None:
+        session = self._session
+        async with session.lock:
+            if not session.server.send_headers(self.stream_id, status, fields, end=end):
+                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
+            await session.send_locked()
+        if end:
+            self._done = True
+
+    async def _data(self, piece: bytes, *, end: bool) -> None:
+        session, server = self._session, self._session.server
+        view = memoryview(piece)
+        while view or end:
+            async with session.lock:
+                window = server.send_window(self.stream_id)
+                if not server.is_live(self.stream_id):
+                    raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
+                if window or not view:
+                    take = min(len(view), window)
+                    last = end and take == len(view)
+                    if server.send_data(self.stream_id, view[:take], end=last) < 0:
+                        raise trio.BrokenResourceError(self.broken or "stream closed")
+                    view = view[take:]
+                    await session.send_locked()
+                    if last:
+                        self._done = True
+                        return
+                    continue
+                self._writable = trio.Event()
+            await self._wait_for_window()
+
+    async def _wait_for_window(self) -> None:
+        """A zero window: wait for the client to open it, at most `stall_timeout`."""
+        session = self._session
+        with trio.move_on_after(session.limits.stall_timeout) as scope:
+            await self._writable.wait()
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        if scope.cancelled_caught:
+            session.server.reset(self.stream_id, ErrorCode.CANCEL)
+            session.kick()
+            self.broken = "send window stalled (the agent never opened it)"
+            raise trio.BrokenResourceError(self.broken)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def shutdown_write(self) -> None:
+        self._closing = True
+
+    def close(self) -> None:
+        """The exchange is over: a response it did not finish is reset (the agent must not
+        take a cut body for a whole one); a request body it did not read is stopped
+        (RFC 9113 8.1: RST_STREAM NO_ERROR after a complete response)."""
+        self._closing = True
+        server = self._session.server
+        if not self._done:
+            server.reset(self.stream_id, ErrorCode.CANCEL)
+        elif not self._eof:
+            server.stop_receiving(self.stream_id)
+        self._session.kick()

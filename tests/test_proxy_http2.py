@@ -1,0 +1,144 @@
+"""HTTP/2 (h2c, prior knowledge) from the agent side, with real clients through a real proxy on
+loopback: curl, httpx, concurrent streams, a refused stream next to an allowed one on one
+connection, credential injection on a provider route, the scrubber, and the journal's terminal
+event per stream with byte counts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import pytest
+import trio
+
+from appliance.demo_upstream import FakeServer
+from proxycore.protocol.events import RequestAllowed, RequestDenied, RequestRefused
+from tests.conftest import REAL_KEYS, RunningProxy
+from tests.h2_client import H2Client
+
+pytest.importorskip("h2")
+
+
+def curl_h2(proxy: RunningProxy, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["curl", "-sS", "--http2-prior-knowledge", "--max-time", "20", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_curl_prior_knowledge_reverse_route_injects(
+    proxy: RunningProxy, provider: FakeServer
+) -> None:
+    done = curl_h2(
+        proxy,
+        "-w",
+        "\\n%{http_version} %{http_code}",
+        "-H",
+        "x-api-key: agent-should-not-keep-this",
+        "--data",
+        '{"model": "m"}',
+        "-H",
+        "content-type: application/json",
+        f"{proxy.url}/anthropic/v1/messages",
+    )
+    body, _, status = done.stdout.rpartition("\n")
+    assert status == "2 200", (done.stdout, done.stderr)
+    assert json.loads(body)["type"] == "message"
+    seen = provider.last()
+    assert seen.all("x-api-key") == [REAL_KEYS["anthropic"]]
+    allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed)]
+    assert allowed[-1].route == "reverse" and allowed[-1].bytes_up == len('{"model": "m"}')
+    assert allowed[-1].bytes_down == len(body.encode())
+
+
+def test_curl_forward_request_and_denial_on_one_connection(
+    proxy: RunningProxy, plain_host: FakeServer
+) -> None:
+    """An allowed host (absolute-form through the proxy, as the :authority names another host)
+    and a denied one (curl opens a connection per host)."""
+    allowed = f"http://plain.test:{plain_host.port}/hello"
+    denied = f"http://denied.test:{plain_host.port}/nope"
+    done = curl_h2(
+        proxy,
+        "--connect-to",
+        f"plain.test:{plain_host.port}:{proxy.host}:{proxy.port}",
+        "--connect-to",
+        f"denied.test:{plain_host.port}:{proxy.host}:{proxy.port}",
+        "-w",
+        "\\n%{http_code} %{num_connects}\\n",
+        allowed,
+        denied,
+    )
+    lines = done.stdout.splitlines()
+    assert "200 1" in lines and "403 1" in lines, (done.stdout, done.stderr)
+    events = proxy.events()
+    assert any(isinstance(e, RequestAllowed) and e.host == "plain.test" for e in events)
+    assert any(isinstance(e, RequestDenied) and e.host == "denied.test" for e in events)
+
+
+async def test_httpx_concurrent_streams_with_a_refusal(
+    proxy: RunningProxy, plain_host: FakeServer
+) -> None:
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=20) as client:
+
+        async def fetch(path: str, results: dict[str, httpx.Response]) -> None:
+            results[path] = await client.get(f"{proxy.url}{path}")
+
+        results: dict[str, httpx.Response] = {}
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(fetch, f"/anthropic/v1/models?i={i}", results)
+            nursery.start_soon(fetch, "/no-such-route", results)
+            nursery.start_soon(fetch, "/_appliance/health", results)
+        assert all(r.http_version == "HTTP/2" for r in results.values())
+        assert results["/no-such-route"].status_code == 404
+        assert results["/no-such-route"].json()["error"] == "not_found"
+        assert results["/_appliance/health"].json()["ok"] is True
+        assert all(results[f"/anthropic/v1/models?i={i}"].status_code == 200 for i in range(20))
+        # The connection lives on after the refusal.
+        again = await client.get(f"{proxy.url}/_appliance/health")
+        assert again.status_code == 200
+    events = proxy.events()
+    refused = [e for e in events if isinstance(e, RequestRefused) and e.rule == "not_found"]
+    assert len(refused) == 1
+    allowed = [e for e in events if isinstance(e, RequestAllowed) and e.route == "reverse"]
+    assert len(allowed) == 20
+
+
+async def test_httpx_post_bodies_and_large_response(
+    proxy: RunningProxy, plain_host: FakeServer
+) -> None:
+    """A body larger than the stream window (flow control both ways), and a large response."""
+    body = b"y" * (300 * 1024)
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+        answer = await client.post(f"{proxy.url}/anthropic/echo", content=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["length"] == len(body)
+        big = await client.get(f"{proxy.url}/anthropic/size?n={2 * 1024 * 1024}")
+        assert big.status_code == 200 and len(big.content) == 2 * 1024 * 1024
+    allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed)]
+    assert any(e.bytes_up == len(body) for e in allowed)
+    assert any(e.bytes_down == 2 * 1024 * 1024 for e in allowed)
+
+
+def test_refused_and_allowed_streams_share_a_connection(proxy: RunningProxy) -> None:
+    """One after the other on one connection (a raw h2 client: curl 7.88.1, Debian 12's,
+    cannot reuse a prior-knowledge connection, curl issue 10634, fixed in 8.0)."""
+    with H2Client(proxy) as client:
+        assert client.get(1, "/no-such-route")[0] == 404
+        status, body = client.get(3, "/anthropic/v1/models")
+        assert status == 200, body
+        assert client.get(5, "/_appliance/health")[0] == 200
+
+
+def test_http1_still_served(proxy: RunningProxy) -> None:
+    done = subprocess.run(
+        ["curl", "-sS", "--max-time", "10", f"{proxy.url}/_appliance/health"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert json.loads(done.stdout)["ok"] is True
