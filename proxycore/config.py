@@ -87,6 +87,11 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fair_connections_per_second: PositiveFloat = 50.0
     fair_connection_burst: PositiveInt = 50
     fair_max_wait: PositiveFloat = 2.0
+    # HTTP/2 from the agent (docs/proxy.md "HTTP/2"): streams one connection may have open
+    # (Envoy edge: 100), and how long a response may wait for the agent to open its flow-control
+    # window before the stream is reset (a zero-window stall).
+    h2_max_concurrent_streams: PositiveInt = 100
+    h2_stall_timeout: PositiveFloat = 30.0
     # The worker's descriptor limit (RLIMIT_NOFILE); 0 raises the soft limit to the hard one.
     # Near it the worker answers new connections 503 rather than failing (see docs/proxy.md).
     open_files: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -8,6 +8,8 @@ instead of a silent close.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ProxyError(Exception):
     """Base of the proxy core's exceptions; never raised directly."""
@@ -65,3 +67,5 @@ class Http2ConnectionError(ProxyError):
         super().__init__(message)
         self.error_code = error_code
         self.rule = rule
+        # The events of the same input before the failure (their requests need an ending).
+        self.events: Sequence[object] = ()

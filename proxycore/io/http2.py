@@ -59,6 +59,7 @@ from proxycore.protocol.http2 import (
 from proxycore.protocol.plans import Request
 
 if TYPE_CHECKING:
+    from proxycore.config import LimitsConfig
     from proxycore.io.connection import ClientConnection
 
 __all__ = ["H2Session", "PrefaceReceived", "StreamPipe", "h2_limits", "serve_http2"]
@@ -68,10 +69,14 @@ class PrefaceReceived(Exception):
     """Internal: the connection opened with the HTTP/2 client preface (connection.py)."""
 
 
-def h2_limits(runtime_limits: object) -> H2Limits:
-    """The connection limits: the defaults, the header list bounded as HTTP/1.1 heads are."""
-    max_header_bytes = getattr(runtime_limits, "max_header_bytes", 32768)
-    return H2Limits(max_header_list_size=max_header_bytes)
+def h2_limits(limits: LimitsConfig) -> H2Limits:
+    """The connection limits: the configured ones, the header list bounded as HTTP/1.1 heads
+    are, the rest at their defaults (proxycore/protocol/http2/limits.py)."""
+    return H2Limits(
+        max_concurrent_streams=limits.h2_max_concurrent_streams,
+        stall_timeout=limits.h2_stall_timeout,
+        max_header_list_size=limits.max_header_bytes,
+    )
 
 
 async def serve_http2(conn: ClientConnection) -> None:
@@ -289,6 +294,14 @@ class H2Session:
 
     def _journal(self, exc: Http2ConnectionError) -> None:
         crew = self.crew
+        why = f"h2 connection error: {exc.rule}"
+        for event in exc.events:
+            # Requests that arrived with the input that broke the connection: never started,
+            # each still ends in its own terminal event.
+            if isinstance(event, RequestReceived):
+                method = event.method.decode("ascii", "replace")
+                request = Request(crew.name, crew.mode, method=method)
+                self.runtime.sink.emit(request.errored(why, 0))
         self.runtime.sink.emit(
             RequestRefused(
                 crew=crew.name,

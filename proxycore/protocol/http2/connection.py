@@ -165,6 +165,17 @@ class H2Server:
             self._preface_seen = True
             self._feed(bytes(buffer[: len(PREFACE)]), events)
             del buffer[: len(PREFACE)]
+        try:
+            self._frames(events, now)
+        except Http2ConnectionError as exc:
+            # What was received before the failing frame: the adapter still owes each request
+            # its terminal event.
+            exc.events = events
+            raise
+        return events
+
+    def _frames(self, events: list[H2Event], now: float) -> None:
+        buffer = self._buffer
         limits = self.limits
         while len(buffer) >= 9:
             length = int.from_bytes(buffer[:3], "big")
@@ -178,7 +189,6 @@ class H2Server:
             del buffer[: 9 + length]
             self._account(frame, length, now)
             self._feed(frame, events)
-        return events
 
     def _account(self, frame: bytes, length: int, now: float) -> None:
         """Count the frame against the limits h2 does not enforce (limits.py)."""

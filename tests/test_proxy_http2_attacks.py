@@ -1,0 +1,232 @@
+"""The known HTTP/2 attacks, each sent as raw frames over a real socket to a real proxy: the
+proxy answers with the right frame (GOAWAY or RST_STREAM and its code), the worker survives, a
+connection opened before the attack and one opened after are served, and the journal names the
+rule."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import hpack
+import pytest
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from proxycore.protocol.events import RequestAllowed, RequestErrored, RequestRefused
+from proxycore.protocol.http2 import PREFACE, ErrorCode
+from tests.conftest import RunningProxy
+from tests.h2_client import H2Client, goaway_code, parse_frames, resets
+
+MAX_STREAM_ID = 2**31 - 1
+
+
+class RawConnection:
+    """A client that speaks HTTP/2 frames by hand (one HPACK encoder for its header blocks)."""
+
+    def __init__(self, proxy: RunningProxy) -> None:
+        self.sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
+        self.encoder = hpack.Encoder()
+        self.authority = f"{proxy.host}:{proxy.port}".encode()
+        self.sock.sendall(PREFACE + SettingsFrame(0).serialize())
+
+    def request(self, path: bytes = b"/_appliance/health") -> list[tuple[bytes, bytes]]:
+        return [
+            (b":method", b"GET"),
+            (b":scheme", b"http"),
+            (b":authority", self.authority),
+            (b":path", path),
+        ]
+
+    def headers(
+        self, stream_id: int, *, end: bool = True, path: bytes = b"/_appliance/health"
+    ) -> bytes:
+        flags = ["END_HEADERS", "END_STREAM"] if end else ["END_HEADERS"]
+        return HeadersFrame(
+            stream_id, self.encoder.encode(self.request(path)), flags=flags
+        ).serialize()
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the proxy may close while the flood is still being sent
+
+    def frames_until_close(self, timeout: float = 10.0) -> list:
+        self.sock.settimeout(timeout)
+        data = bytearray()
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+        self.sock.close()
+        return parse_frames(bytes(data))
+
+
+def journal_rule(proxy: RunningProxy, rule: str) -> RequestRefused:
+    found = [
+        e
+        for e in proxy.events()
+        if isinstance(e, RequestRefused) and e.route == "connection" and e.rule == rule
+    ]
+    assert found, rule
+    return found[-1]
+
+
+def rapid_reset(raw: RawConnection) -> None:
+    """CVE-2023-44487: open a stream and reset it at once, over and over."""
+    data = b"".join(
+        raw.headers(i) + RstStreamFrame(i, error_code=ErrorCode.CANCEL).serialize()
+        for i in range(1, 1201, 2)
+    )
+    raw.send(data)
+
+
+def continuation_flood(raw: RawConnection) -> None:
+    """2024: a header block that never ends, CONTINUATION after CONTINUATION."""
+    block = raw.encoder.encode(raw.request())
+    data = HeadersFrame(1, block[:3]).serialize()
+    data += b"".join(ContinuationFrame(1, b"\x00" * 1000).serialize() for _ in range(200))
+    raw.send(data)
+
+
+def hpack_bomb(raw: RawConnection) -> None:
+    """A large field in the dynamic table, referenced again and again: a tiny block that
+    decodes to megabytes."""
+    fields = [*raw.request(), *[(b"x-bomb", b"a" * 4000)] * 500]
+    block = raw.encoder.encode(fields)
+    assert len(block) < 5000
+    raw.send(HeadersFrame(1, block, flags=["END_HEADERS", "END_STREAM"]).serialize())
+
+
+def settings_flood(raw: RawConnection) -> None:
+    raw.send(SettingsFrame(0, settings={SettingsFrame.ENABLE_PUSH: 0}).serialize() * 5000)
+
+
+def ping_flood(raw: RawConnection) -> None:
+    raw.send(PingFrame(0, b"flooding").serialize() * 5000)
+
+
+def too_many_streams(raw: RawConnection) -> None:
+    """101 streams held open (no END_STREAM) on a connection that allows 100."""
+    raw.send(b"".join(raw.headers(i, end=False) for i in range(1, 203, 2)))
+
+
+def empty_frames(raw: RawConnection) -> None:
+    raw.send(raw.headers(1, end=False) + DataFrame(1, b"").serialize() * 100)
+
+
+ATTACKS: dict[str, tuple[Callable[[RawConnection], None], int, str]] = {
+    "rapid_reset": (rapid_reset, ErrorCode.ENHANCE_YOUR_CALM, "h2_rapid_reset"),
+    "continuation_flood": (continuation_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_continuation"),
+    "hpack_bomb": (hpack_bomb, ErrorCode.ENHANCE_YOUR_CALM, "h2_header_list"),
+    "settings_flood": (settings_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_settings_flood"),
+    "ping_flood": (ping_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_ping_flood"),
+    "too_many_streams": (too_many_streams, ErrorCode.PROTOCOL_ERROR, "h2_max_concurrent_streams"),
+    "empty_frames": (empty_frames, ErrorCode.ENHANCE_YOUR_CALM, "h2_empty_frames"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_attack_is_refused_and_the_worker_survives(proxy: RunningProxy, name: str) -> None:
+    attack, code, rule = ATTACKS[name]
+    with H2Client(proxy) as before:
+        assert before.get(1, "/_appliance/health")[0] == 200
+        raw = RawConnection(proxy)
+        started = time.monotonic()
+        attack(raw)
+        frames = raw.frames_until_close()
+        assert time.monotonic() - started < 8, "the proxy did not end the connection"
+        assert goaway_code(frames) == code, frames[-5:]
+        # The connection opened before the attack, and a new one, are served.
+        assert before.get(3, "/_appliance/health")[0] == 200
+        with H2Client(proxy) as after:
+            assert after.get(1, "/_appliance/health")[0] == 200
+        assert proxy.process.poll() is None
+    event = journal_rule(proxy, rule)
+    assert "GOAWAY" in event.message
+    if name == "too_many_streams":
+        # The 100 streams it had each end in one terminal event, naming the connection's end.
+        ended = [
+            e
+            for e in proxy.events()
+            if isinstance(e, RequestErrored) and "h2_max_concurrent_streams" in e.cause
+        ]
+        assert len(ended) >= 100
+
+
+def test_stream_id_exhaustion(proxy: RunningProxy) -> None:
+    """The last client stream identifier: served, then GOAWAY NO_ERROR naming it (the client
+    opens a new connection for what follows)."""
+    raw = RawConnection(proxy)
+    raw.send(raw.headers(MAX_STREAM_ID))
+    raw.sock.shutdown(socket.SHUT_WR)
+    frames = raw.frames_until_close()
+    responses = [f for f in frames if isinstance(f, HeadersFrame)]
+    assert responses and responses[0].stream_id == MAX_STREAM_ID
+    away = [f for f in frames if isinstance(f, GoAwayFrame)]
+    assert away and (away[0].error_code, away[0].last_stream_id) == (
+        ErrorCode.NO_ERROR,
+        MAX_STREAM_ID,
+    )
+
+
+def test_malformed_stream_is_refused_alone(proxy: RunningProxy) -> None:
+    """A field HTTP/1.1 cannot carry refuses that stream (400); the connection lives on."""
+    raw = RawConnection(proxy)
+    # h2's validation refuses CR/LF in values as a protocol error of the connection (GOAWAY);
+    # a NUL-free, CR-free control byte reaches ours and refuses the stream alone.
+    fields = [*raw.request(), (b"x-odd", b"a\x01b")]
+    raw.send(
+        HeadersFrame(1, raw.encoder.encode(fields), flags=["END_HEADERS", "END_STREAM"]).serialize()
+    )
+    raw.send(raw.headers(3))
+    time.sleep(1)
+    raw.sock.shutdown(socket.SHUT_WR)
+    frames = raw.frames_until_close()
+    statuses = {}
+    decoder = hpack.Decoder()
+    for frame in frames:
+        if isinstance(frame, HeadersFrame):
+            statuses[frame.stream_id] = dict(decoder.decode(frame.data))[":status"]
+    assert statuses == {1: "400", 3: "200"}, frames
+    refused = [e for e in proxy.events() if isinstance(e, RequestRefused) and e.status == 400]
+    assert refused
+
+
+def test_zero_window_stall_resets_the_stream(make_proxy, provider) -> None:
+    proxy = make_proxy(extra="[limits]\nh2_stall_timeout = 1.0\n")
+    raw = RawConnection(proxy)
+    raw.send(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 0}).serialize())
+    raw.send(raw.headers(1, path=b"/anthropic/size?n=200000"))
+    raw.sock.settimeout(10)
+    data = bytearray()
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and not resets(parse_frames(bytes(data))):
+        data += raw.sock.recv(65536)
+    assert (1, ErrorCode.CANCEL) in resets(parse_frames(bytes(data)))
+    # The connection lives on: a window opened again, a new stream is answered.
+    raw.send(
+        SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 65535}).serialize()
+        + WindowUpdateFrame(0, window_increment=1 << 20).serialize()
+        + raw.headers(3)
+    )
+    time.sleep(1)
+    raw.sock.shutdown(socket.SHUT_WR)
+    frames = raw.frames_until_close()
+    assert [f for f in frames if isinstance(f, HeadersFrame) and f.stream_id == 3]
+    allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed)]
+    assert any("send window stalled" in e.ended for e in allowed), allowed
