@@ -31,6 +31,8 @@ streams could not finish.
 
 from __future__ import annotations
 
+import re
+
 import h2.config
 import h2.connection
 import h2.errors
@@ -64,6 +66,16 @@ _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 0x6, 0x7, 0x8, 0x9
 _END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
 # Frames the proxy answers with a control frame of its own (for the outbound queue's count).
 _ANSWERED = {_SETTINGS, _PING}
+# Response fields h2 would refuse (after encoding some of them): lowercase token names; values
+# without controls or surrounding whitespace (RFC 9113 8.2.1); no connection-specific fields
+# (RFC 9113 8.2.2).
+_NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
+_VALUE_RE = re.compile(
+    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
+)
+_CONNECTION_SPECIFIC = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade", b"te"}
+)
 
 
 class H2Server:
@@ -114,6 +126,8 @@ class H2Server:
         self._unacked: dict[int, int] = {}
         # Streams the adapter serves (a request was reported and the stream is not over).
         self._live: set[int] = set()
+        # Streams whose final response head went out.
+        self._responded: set[int] = set()
         # After a graceful GOAWAY: the last stream served; higher ones are refused.
         self._last_stream: int | None = None
         self.closed = False  # a fatal GOAWAY was queued (or the client's received)
@@ -347,10 +361,25 @@ class H2Server:
     def send_headers(
         self, stream_id: int, status: int, headers: list[tuple[bytes, bytes]], *, end: bool
     ) -> bool:
-        """The response head (or an interim 1xx one); False when the stream is gone."""
-        fields = [(b":status", b"%d" % status), *headers]
+        """The response head (or an interim 1xx one, RFC 9113 8.1); False when the stream is
+        gone or the head is not one the client may receive now (a second final head, an
+        interim one after it or with END_STREAM, 101). Fields HTTP/2 forbids are dropped.
+
+        Checked here, before h2: h2 changes the HPACK encoder's state before some of its own
+        checks, so a head it refuses would leave the client's decoder out of step for every
+        later head on the connection."""
+        if stream_id not in self._live or stream_id in self._responded:
+            return False
+        interim = 100 <= status < 200
+        if not 100 <= status <= 999 or status == 101 or (interim and end):
+            return False
+        fields = [(b":status", b"%d" % status)]
+        fields += [(n, v) for n, v in headers if _NAME_RE.fullmatch(n) and _VALUE_RE.fullmatch(v)]
+        fields = [(n, v) for n, v in fields if n not in _CONNECTION_SPECIFIC]
         if not self._send(lambda: self._h2.send_headers(stream_id, fields, end_stream=end)):
             return False
+        if not interim:
+            self._responded.add(stream_id)
         if end:
             self._end(stream_id)
         return True
@@ -359,8 +388,8 @@ class H2Server:
         """Send as much of `data` as the windows allow (one frame); returns the bytes taken.
         `end` ends the stream once all of `data` went. -1: the stream is gone."""
         window = self.send_window(stream_id)
-        if stream_id not in self._live:
-            return -1
+        if stream_id not in self._live or stream_id not in self._responded:
+            return -1  # gone, or no final head yet (RFC 9113 8.1: DATA follows it)
         take = min(len(data), window)
         if take == 0 and (data or not end):
             return 0
@@ -374,7 +403,7 @@ class H2Server:
 
     def end_stream(self, stream_id: int) -> bool:
         """END_STREAM (an empty DATA frame); False when the stream is gone."""
-        if stream_id not in self._live:
+        if stream_id not in self._live or stream_id not in self._responded:
             return False
         sent = self._send(lambda: self._h2.end_stream(stream_id))
         self._end(stream_id)
@@ -456,6 +485,7 @@ class H2Server:
         if unacked and not self.closed:
             # Stream closed: h2 credits the connection window only.
             self._send(lambda: self._h2.acknowledge_received_data(unacked, stream_id))
+        self._responded.discard(stream_id)
         if stream_id in self._live:
             self._live.discard(stream_id)
             return True
