@@ -142,3 +142,60 @@ def test_http1_still_served(proxy: RunningProxy) -> None:
         timeout=20,
     )
     assert json.loads(done.stdout)["ok"] is True
+
+
+def test_a_reset_stream_never_ends_its_siblings(proxy: RunningProxy) -> None:
+    """The agent resets one stream in the middle of a large response; the stream beside it
+    completes, and each ends in its own terminal event (the reset one not complete)."""
+    import h2.events
+
+    with H2Client(proxy) as client:
+        client.h2.send_headers(
+            1, client.headers(f"/anthropic/size?n={4 * 1024 * 1024}"), end_stream=True
+        )
+        client.h2.send_headers(3, client.headers("/anthropic/size?n=300000"), end_stream=True)
+        client.sock.sendall(client.h2.data_to_send())
+        got = {1: 0, 3: 0}
+        ended = set()
+        reset_sent = False
+        while 3 not in ended:
+            data = client.sock.recv(65536)
+            assert data, "the connection closed"
+            for event in client.h2.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    got[event.stream_id] += len(event.data)
+                    client.h2.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended.add(event.stream_id)
+            if got[1] > 100_000 and not reset_sent:
+                client.h2.reset_stream(1)
+                reset_sent = True
+            client.sock.sendall(client.h2.data_to_send())
+        assert got[3] == 300000 and 1 not in ended
+        assert client.get(5, "/_appliance/health")[0] == 200
+    allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed) and e.route == "reverse"]
+    by_size = {e.complete: e for e in allowed}
+    assert by_size[True].bytes_down == 300000
+    assert "agent_reset" in by_size[False].ended
+    assert 100_000 <= by_size[False].bytes_down < 4 * 1024 * 1024
+
+
+def test_upgrade_h2c_is_answered_in_http1(proxy: RunningProxy) -> None:
+    """curl --http2 on http:// asks for Upgrade: h2c; the proxy ignores it (RFC 7540 3.2 lets a
+    server; RFC 9113 deprecates the upgrade) and answers in HTTP/1.1."""
+    done = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "--http2",
+            "-w",
+            "\\n%{http_version} %{http_code}",
+            f"{proxy.url}/_appliance/health",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert done.stdout.endswith("\n1.1 200"), (done.stdout, done.stderr)
