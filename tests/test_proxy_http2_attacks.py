@@ -184,27 +184,41 @@ def test_stream_id_exhaustion(proxy: RunningProxy) -> None:
     )
 
 
-def test_malformed_stream_is_refused_alone(proxy: RunningProxy) -> None:
-    """A field HTTP/1.1 cannot carry refuses that stream (400); the connection lives on."""
+def test_malformed_streams_are_refused_alone(proxy: RunningProxy) -> None:
+    """Malformed requests (RFC 9113 8.1.1) are stream errors: each is answered 400 on its own
+    stream, and the connection goes on serving the well-formed one beside them."""
     raw = RawConnection(proxy)
-    # h2's validation refuses CR/LF in values as a protocol error of the connection (GOAWAY);
-    # a NUL-free, CR-free control byte reaches ours and refuses the stream alone.
-    fields = [*raw.request(), (b"x-odd", b"a\x01b")]
-    raw.send(
-        HeadersFrame(1, raw.encoder.encode(fields), flags=["END_HEADERS", "END_STREAM"]).serialize()
-    )
-    raw.send(raw.headers(3))
+    request = raw.request()
+    malformed = [
+        [*request, (b"x-smuggle", b"a\r\ntransfer-encoding: chunked")],  # CR LF in a value
+        [*request, (b"x-nul", b"a\x00b")],
+        [*request, (b"x-odd", b"a\x01b")],
+        [*request, (b"X-Upper", b"1")],  # RFC 9113 8.2.1: lowercase names only
+        [*request, (b"connection", b"keep-alive")],  # RFC 9113 8.2.2
+        [*request, (b"transfer-encoding", b"chunked")],
+        [*request, (b"te", b"gzip")],
+        [*request, (b":path", b"/again")],  # a pseudo-header twice
+        [*request[:2], (b"x-a", b"1"), *request[2:]],  # a pseudo-header after a field
+        request[:3],  # no :path
+    ]
+    for i, fields in enumerate(malformed):
+        block = raw.encoder.encode(fields)
+        raw.send(HeadersFrame(2 * i + 1, block, flags=["END_HEADERS", "END_STREAM"]).serialize())
+    good = 2 * len(malformed) + 1
+    raw.send(raw.headers(good))
     time.sleep(1)
     raw.sock.shutdown(socket.SHUT_WR)
     frames = raw.frames_until_close()
+    assert goaway_code(frames) in (None, ErrorCode.NO_ERROR)
     statuses = {}
     decoder = hpack.Decoder()
     for frame in frames:
         if isinstance(frame, HeadersFrame):
             statuses[frame.stream_id] = dict(decoder.decode(frame.data))[":status"]
-    assert statuses == {1: "400", 3: "200"}, frames
+    expected = {2 * i + 1: "400" for i in range(len(malformed))}
+    assert statuses == {**expected, good: "200"}, frames
     refused = [e for e in proxy.events() if isinstance(e, RequestRefused) and e.status == 400]
-    assert refused
+    assert len(refused) == len(malformed)
 
 
 def test_zero_window_stall_resets_the_stream(make_proxy, provider) -> None:

@@ -119,7 +119,12 @@ class H2Session:
                 why = f"connection broken: {exc}"
             finally:
                 for pipe in list(self.pipes.values()):
-                    pipe.break_off(why)
+                    if why == "agent_closed":
+                        # A clean close (or half-close) of the agent's side: the responses
+                        # still go out; a request body cut short reads as cut (never as whole).
+                        pipe.input_closed()
+                    else:
+                        pipe.break_off(why)
             # The streams finish (each writes its terminal event); then the writer goes.
             if self.pipes:
                 self.streams_done = trio.Event()
@@ -381,6 +386,12 @@ class StreamPipe(PlainStream):
             self._eof = True
             if self._chunked:
                 self._body.append((http1.LAST_CHUNK, 0))
+        self._readable.set()
+
+    def input_closed(self) -> None:
+        """The agent will send nothing more on the connection: reads end (b"") once what
+        arrived is taken; a body not ended by END_STREAM is short, and its reader says so."""
+        self._eof = True
         self._readable.set()
 
     def break_off(self, why: str) -> None:

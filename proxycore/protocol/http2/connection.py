@@ -73,6 +73,7 @@ _NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
 _VALUE_RE = re.compile(
     rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
 )
+_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
 _CONNECTION_SPECIFIC = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade", b"te"}
 )
@@ -86,7 +87,10 @@ class H2Server:
         config = h2.config.H2Configuration(
             client_side=False,
             header_encoding=None,
-            validate_inbound_headers=True,
+            # The request's fields are checked by us (here and in messages.py) so that a
+            # malformed request is a stream error answered 400 (RFC 9113 8.1.1), not a
+            # connection error that would end its sibling streams, as h2's checks make it.
+            validate_inbound_headers=False,
             normalize_inbound_headers=True,
             validate_outbound_headers=True,
             normalize_outbound_headers=True,
@@ -316,23 +320,36 @@ class H2Server:
             self._graceful_goaway(stream_id)
         pseudo: dict[bytes, bytes] = {}
         regular: list[tuple[bytes, bytes]] = []
+        malformed = ""
         for name, value in headers:
+            name, value = bytes(name), bytes(value)
             if name[:1] == b":":
-                pseudo[bytes(name)] = bytes(value)
+                # RFC 9113 8.3: known pseudo-headers, each once, before the regular fields.
+                if name not in _PSEUDO or name in pseudo or regular:
+                    malformed = malformed or f"pseudo-header {name[:32]!r} not allowed here"
+                pseudo[name] = value
             else:
-                regular.append((bytes(name), bytes(value)))
+                regular.append((name, value))
+        method = pseudo.get(b":method", b"")
+        if method == b"CONNECT" and b":protocol" not in pseudo:
+            # RFC 9113 8.5: :authority only.
+            if b":scheme" in pseudo or b":path" in pseudo or b":authority" not in pseudo:
+                malformed = malformed or "CONNECT with :scheme or :path, or without :authority"
+        elif not (method and pseudo.get(b":scheme") and pseudo.get(b":path")):
+            malformed = malformed or "a request without :method, :scheme or :path"
         authority = pseudo.get(b":authority")
         if authority is None:
             authority = next((v for n, v in regular if n == b"host"), b"")
         return RequestReceived(
             stream_id=stream_id,
-            method=pseudo.get(b":method", b""),
+            method=method,
             scheme=pseudo.get(b":scheme", b""),
             authority=authority,
             path=pseudo.get(b":path", b""),
             headers=tuple(regular),
             ended=ended is not None,
             protocol=pseudo.get(b":protocol", b""),
+            malformed=malformed,
         )
 
     # -- commands -------------------------------------------------------------------------------

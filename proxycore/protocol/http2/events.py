@@ -34,6 +34,9 @@ class RequestReceived(msgspec.Struct, frozen=True):
     ended: bool  # END_STREAM on the head: no body follows
     # RFC 9113 8.5 extended CONNECT (RFC 8441): the :protocol pseudo-header, else b"".
     protocol: bytes = b""
+    # Why the request is malformed (RFC 9113 8.1.1: pseudo-headers), "" if it is not; the
+    # adapter answers it 400 on its stream.
+    malformed: str = ""
 
 
 class DataReceived(msgspec.Struct, frozen=True):

@@ -35,6 +35,8 @@ from proxycore.protocol.policy import normalize_host
 __all__ = ["MessageRefused", "request_head", "response_fields"]
 
 _TOKEN_RE = re.compile(TOKEN)
+# Field names: tokens in lowercase (RFC 9113 8.2.1).
+_NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
 # Field values: VCHAR, obs-text, SP and HTAB inside (RFC 9110 5.5); no leading or trailing
 # whitespace (RFC 9113 8.2.1).
 _VALUE_RE = re.compile(
@@ -42,9 +44,12 @@ _VALUE_RE = re.compile(
 )
 _TARGET_RE = re.compile(rb"[\x21-\x7e]+")
 # Replaced by the head's own (host from :authority, framing, connection).
-_REPLACED = frozenset({b"host", b"connection", b"transfer-encoding", b"keep-alive", b"te"})
+_REPLACED = frozenset({b"host", b"te"})
 # RFC 9113 8.2.2: connection-specific fields never go into an HTTP/2 message.
-_CONNECTION_SPECIFIC = http1.HOP_BY_HOP | {b"connection", b"keep-alive", b"proxy-connection"}
+_CONNECTION_SPECIFIC = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
+)
+_RESPONSE_DROP = http1.HOP_BY_HOP | _CONNECTION_SPECIFIC
 
 
 class MessageRefused(Exception):
@@ -66,6 +71,8 @@ def _authority_host(authority: bytes) -> str:
 
 def request_head(request: RequestReceived, gateway: str) -> bytes:
     """The stream's request as an HTTP/1.1 head (see the module docstring)."""
+    if request.malformed:
+        raise MessageRefused(400, "bad_request", f"malformed HTTP/2 request: {request.malformed}")
     method = request.method
     if method == b"CONNECT":
         what = "extended CONNECT (RFC 8441)" if request.protocol else "CONNECT"
@@ -96,8 +103,12 @@ def request_head(request: RequestReceived, gateway: str) -> bytes:
     cookies: list[bytes] = []
     length: bytes | None = None
     for name, value in request.headers:
-        if not _TOKEN_RE.fullmatch(name) or not _VALUE_RE.fullmatch(value):
-            raise MessageRefused(400, "bad_request", "a header field HTTP/1.1 cannot carry")
+        if not _NAME_RE.fullmatch(name) or not _VALUE_RE.fullmatch(value):
+            # RFC 9113 8.2.1: uppercase names, CR, LF, NUL, surrounding whitespace: malformed.
+            raise MessageRefused(400, "bad_request", "a header field HTTP/2 forbids")
+        if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
+            # RFC 9113 8.2.2: connection-specific fields make the request malformed.
+            raise MessageRefused(400, "bad_request", "a connection-specific header field")
         if name in _REPLACED:
             continue
         if name == b"cookie":
@@ -124,5 +135,5 @@ def response_fields(head: http1.ResponseHead) -> list[tuple[bytes, bytes]]:
     return [
         (name, value)
         for name, value in http1.strip_hop_by_hop(head.headers, keep_underscores=True)
-        if name not in _CONNECTION_SPECIFIC
+        if name not in _RESPONSE_DROP
     ]
