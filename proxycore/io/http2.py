@@ -182,6 +182,17 @@ class H2Session:
         data = self.server.data_to_send()
         if not data:
             return
+        # The common case first: the kernel takes it all now (no scope, no wait).
+        try:
+            sent = self.sock.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._die()
+            raise trio.BrokenResourceError(str(exc)) from None
+        if sent == len(data):
+            return
+        data = data[sent:]
         # Shielded: a frame cut in the middle (a stream's exchange cancelled while it writes)
         # would break the connection for every stream.
         with trio.CancelScope(shield=True):
@@ -461,7 +472,8 @@ class StreamPipe(PlainStream):
                     if head.body_kind is http1.BodyKind.NONE:
                         await self._headers(head.status, fields, end=True)
                         return
-                    await self._headers(head.status, fields, end=False)
+                    # Queued, and written with the first DATA (one write for a small answer).
+                    await self._headers(head.status, fields, end=False, flush=False)
                     self._reader = http1.BodyReader.for_response(head, limits)
                     data = bytes(self._out)
                     self._out.clear()
@@ -472,14 +484,20 @@ class StreamPipe(PlainStream):
             self._session.server.reset(self.stream_id, ErrorCode.INTERNAL_ERROR)
             self._session.kick()
             raise trio.BrokenResourceError(f"unreadable response: {exc}") from None
-        await self._data(piece, end=self._reader.done)
+        if piece or self._reader.done:
+            await self._data(piece, end=self._reader.done)
+        else:
+            await self._session.flush()  # a head whose body has not begun
 
-    async def _headers(self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool) -> None:
+    async def _headers(
+        self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool, flush: bool = True
+    ) -> None:
         session = self._session
         async with session.lock:
             if not session.server.send_headers(self.stream_id, status, fields, end=end):
                 raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
-            await session.send_locked()
+            if flush:
+                await session.send_locked()
         if end:
             self._done = True
 
@@ -503,6 +521,7 @@ class StreamPipe(PlainStream):
                         return
                     continue
                 self._writable = trio.Event()
+                await session.send_locked()  # what is queued (a head) goes out meanwhile
             await self._wait_for_window()
 
     async def _wait_for_window(self) -> None:
