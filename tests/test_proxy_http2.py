@@ -187,9 +187,9 @@ def test_a_reset_stream_never_ends_its_siblings(proxy: RunningProxy) -> None:
     assert 100_000 <= by_size[False].bytes_down < 4 * 1024 * 1024
 
 
-def test_upgrade_h2c_is_answered_in_http1(proxy: RunningProxy) -> None:
-    """curl --http2 on http:// asks for Upgrade: h2c; the proxy ignores it (RFC 7540 3.2 lets a
-    server; RFC 9113 deprecates the upgrade) and answers in HTTP/1.1."""
+def test_upgrade_h2c(proxy: RunningProxy, provider: FakeServer) -> None:
+    """curl --http2 on http:// asks for Upgrade: h2c (RFC 7540 3.2): the request that asked is
+    answered as stream 1 after the 101, through the same exchange (injection included)."""
     done = subprocess.run(
         [
             "curl",
@@ -197,7 +197,30 @@ def test_upgrade_h2c_is_answered_in_http1(proxy: RunningProxy) -> None:
             "--http2",
             "-w",
             "\\n%{http_version} %{http_code}",
-            f"{proxy.url}/_appliance/health",
+            f"{proxy.url}/anthropic/v1/models",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert done.stdout.endswith("\n2 200"), (done.stdout, done.stderr)
+    assert provider.last().all("x-api-key") == [REAL_KEYS["anthropic"]]
+    allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed)]
+    assert allowed and allowed[-1].route == "reverse"
+
+
+def test_upgrade_h2c_with_a_body_is_answered_in_http1(proxy: RunningProxy) -> None:
+    """A request with a body is not upgraded (RFC 7540 3.2 lets a server ignore Upgrade)."""
+    done = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "--http2",
+            "--data",
+            "{}",
+            "-w",
+            "\\n%{http_version} %{http_code}",
+            f"{proxy.url}/anthropic/v1/messages",
         ],
         capture_output=True,
         text=True,

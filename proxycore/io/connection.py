@@ -38,7 +38,12 @@ import trio
 from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import LINGER_SECONDS, ByteStream, PlainStream, lingering_close
 from proxycore.io.forward import serve_forward
-from proxycore.io.http2 import PrefaceReceived, serve_http2
+from proxycore.io.http2 import (
+    PrefaceReceived,
+    h2c_settings,
+    serve_http2,
+    serve_http2_upgrade,
+)
 from proxycore.io.keeper_client import serve_keeper
 from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
 from proxycore.io.tunnel import serve_tunnel
@@ -248,6 +253,10 @@ class ClientConnection:
         """Carry out the exchange's plan for one request; returns whether to keep the
         connection. Raises Refused for an answer the caller writes."""
         runtime, crew = self.runtime, self.crew
+        settings = h2c_settings(head) if head.nominates else None
+        # Upgrade: h2c (RFC 7540 3.2): the request is served as HTTP/2 stream 1.
+        if settings is not None and await serve_http2_upgrade(self, head, settings):
+            return False
         started = self.head_started
         activity = runtime.activity
         activity.note(crew.name, started)

@@ -62,7 +62,15 @@ if TYPE_CHECKING:
     from proxycore.config import LimitsConfig
     from proxycore.io.connection import ClientConnection
 
-__all__ = ["H2Session", "PrefaceReceived", "StreamPipe", "h2_limits", "serve_http2"]
+__all__ = [
+    "H2Session",
+    "PrefaceReceived",
+    "StreamPipe",
+    "h2_limits",
+    "h2c_settings",
+    "serve_http2",
+    "serve_http2_upgrade",
+]
 
 
 class PrefaceReceived(Exception):
@@ -84,6 +92,52 @@ async def serve_http2(conn: ClientConnection) -> None:
     await H2Session(conn).run()
 
 
+_SWITCHING = b"HTTP/1.1 101 Switching Protocols\r\nconnection: Upgrade\r\nupgrade: h2c\r\n\r\n"
+
+
+def h2c_settings(head: http1.RequestHead) -> bytes | None:
+    """The HTTP2-Settings of a request that asks to upgrade to h2c (RFC 7540 3.2) and can: no
+    body (its bytes would sit between the 101 and the client preface), exactly one
+    HTTP2-Settings, both nominated by Connection. None: answer it in HTTP/1.1 (the Upgrade is
+    ignored, as RFC 7540 3.2 lets a server; RFC 9113 3.1 deprecates the upgrade)."""
+    if head.body_kind is not http1.BodyKind.NONE or head.http_version != b"1.1":
+        return None
+    upgrade = connection = b""
+    settings: list[bytes] = []
+    for name, value in head.headers:
+        if name == b"upgrade":
+            upgrade += b"," + value.lower()
+        elif name == b"connection":
+            connection += b"," + value.lower()
+        elif name == b"http2-settings":
+            settings.append(value)
+    tokens = {token.strip() for token in connection.split(b",")}
+    if (
+        b"h2c" not in {token.strip() for token in upgrade.split(b",")}
+        or not {b"upgrade", b"http2-settings"} <= tokens
+        or len(settings) != 1
+    ):
+        return None
+    return settings[0]
+
+
+async def serve_http2_upgrade(
+    conn: ClientConnection, head: http1.RequestHead, settings: bytes
+) -> bool:
+    """Switch to HTTP/2 (RFC 7540 3.2): the request that asked becomes stream 1, answered in
+    HTTP/2 after the 101. False: the settings were unreadable, serve it as HTTP/1.1."""
+    session = H2Session(conn)
+    try:
+        session.server.initiate_upgrade(settings)
+    except Http2ConnectionError:
+        return False
+    session.upgraded = head
+    conn.response_started = True
+    await conn.stream.send_all(_SWITCHING)
+    await session.run()
+    return True
+
+
 class H2Session:
     """One HTTP/2 connection from an agent (see the module docstring)."""
 
@@ -100,6 +154,8 @@ class H2Session:
         self.nursery: trio.Nursery | None = None
         self.streams_done = trio.Event()
         self.dead = False  # a write was cut mid-frame: nothing more may be written
+        # Upgrade: h2c: the HTTP/1.1 request that asked, served as stream 1.
+        self.upgraded: http1.RequestHead | None = None
 
     async def run(self) -> None:
         conn = self.conn
@@ -113,6 +169,8 @@ class H2Session:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             nursery.start_soon(self._write_loop)
+            if self.upgraded is not None:
+                self._start_upgraded(self.upgraded)
             try:
                 why = await self._read_loop(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -276,6 +334,26 @@ class H2Session:
             self.nursery.start_soon(self._answer, pipe, refusal.response())
         else:
             self.nursery.start_soon(self._serve_stream, pipe, method)
+
+    def _start_upgraded(self, head: http1.RequestHead) -> None:
+        """Stream 1 of an upgraded connection: the HTTP/1.1 request as it was read."""
+        assert self.nursery is not None
+        pipe = StreamPipe(self, 1, head.method)
+        self.pipes[1] = pipe
+        self.crew.connections += 1
+        # Its head again without the upgrade (never asked twice) and as the one exchange of
+        # the stream; an accepted head, so nothing here can fail to serialize.
+        fields = [
+            (name, value)
+            for name, value in head.headers
+            if name not in (b"connection", b"upgrade", b"http2-settings", b"keep-alive")
+        ]
+        fields.append((b"connection", b"close"))
+        pipe.feed_head(
+            http1.serialize_request_head(head.method, head.target, fields), chunked=False
+        )
+        pipe.end_body()
+        self.nursery.start_soon(self._serve_stream, pipe, head.method.decode("ascii", "replace"))
 
     async def _serve_stream(self, pipe: StreamPipe, method: str) -> None:
         try:

@@ -152,7 +152,7 @@ class H2Server:
         self._started = True
         try:
             self._h2.initiate_upgrade_connection(settings_header)
-        except (h2.exceptions.ProtocolError, ValueError) as exc:
+        except Exception as exc:  # binascii.Error, hyperframe's errors, h2's: unreadable
             raise Http2ConnectionError(
                 f"bad HTTP2-Settings: {exc}", error_code=ErrorCode.PROTOCOL_ERROR, rule="h2_upgrade"
             ) from None
@@ -160,6 +160,7 @@ class H2Server:
         if extra > 0:
             self._h2.increment_flow_control_window(extra)
         self._live.add(1)
+        self._unacked[1] = 0
 
     # -- input ----------------------------------------------------------------------------------
 
