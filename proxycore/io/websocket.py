@@ -1,0 +1,332 @@
+"""WebSocket sessions on an agent connection: the handshake upstream, then frames both ways.
+
+Theory of operation: the exchange has planned an `OpenWebSocket` (proxycore/protocol/
+websocket.py: policy, injection and the agent's offer checked). `serve_websocket` dials a fresh
+upstream connection (never a pooled one: it will not come back), sends the handshake and reads
+the answer. Anything but a 101 is an ordinary response, relayed as the forward path relays any
+(proxycore/io/forward.py `relay_response`). A 101 that fails the client's checks is a 502; a
+good one is answered to the agent and the session begins.
+
+The session is two tasks, one per side, around one sans-IO `WebSocketRelay`
+(proxycore/protocol/wsrelay.py). A task reads its side, hands the bytes to the relay and sends
+what the relay has for each side before it reads again: backpressure, so a session holds at most
+what one read brought in per direction. A read is `READ_SIZE` bytes while the crew's buffer
+budget (`max_buffered_bytes_per_crew`, shared with bodies) has room for it and its output, else
+`SMALL_READ` bytes: what a crew's sessions hold is bounded by its budget plus that small read per
+direction and connection. Each side has a lock, taken around taking the relay's bytes for it and
+sending them, so bytes leave in the order the relay produced them.
+
+A third task keeps the deadlines: no byte moved either way for `ws_idle_timeout` starts a close
+with both sides (1001); once a Close has been sent, an answer is awaited for `ws_close_timeout`
+at most, then the connections are dropped. The sides are byte streams (`receive`, `send_all`),
+so the same session can run over an HTTP/2 stream (RFC 8441 extended CONNECT) later.
+
+The session's request ends in one terminal event, `request_allowed` with status 101, when the
+session ends, whatever ends it: payload bytes both ways, frames and messages, who closed, why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
+from proxycore.io.forward import relay_response
+from proxycore.io.progress import Phase, Refused, upstream_refusal
+from proxycore.io.upstream import UpstreamConnection
+from proxycore.protocol import http1
+from proxycore.protocol.events import CredentialInjected, WebSocketSession
+from proxycore.protocol.plans import OpenWebSocket, Refuse
+from proxycore.protocol.websocket import check_switch, switching_head
+from proxycore.protocol.wsrelay import Side, WebSocketLimits, WebSocketRelay
+
+if TYPE_CHECKING:
+    from proxycore.io.connection import ClientConnection
+    from proxycore.runtime import BufferBudget
+
+READ_SIZE = 64 * 1024
+SMALL_READ = 4 * 1024
+_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class FrameStream(Protocol):
+    """What a session needs of each side: a byte stream (a socket, TLS, an h2 stream)."""
+
+    async def receive(self, max_bytes: int) -> bytes: ...
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+
+def websocket_limits(conn: ClientConnection) -> WebSocketLimits:
+    limits = conn.limits
+    return WebSocketLimits(
+        max_message_bytes=limits.ws_max_message_bytes,
+        control_per_second=limits.ws_control_frames_per_second,
+        idle_timeout=limits.ws_idle_timeout,
+        close_timeout=limits.ws_close_timeout,
+    )
+
+
+async def serve_websocket(
+    conn: ClientConnection, plan: OpenWebSocket, head: http1.RequestHead
+) -> bool:
+    """Carry out an OpenWebSocket plan; returns whether the agent's connection stays open (only
+    after an upstream refused the upgrade with an ordinary response)."""
+    forward = plan.forward
+    progress = conn.progress
+    assert progress is not None
+    if forward.provider is not None:
+        progress.rule = "provider"
+    upstream = await _open(conn, plan)
+    response = await _handshake(conn, plan, upstream)
+    if response.status != 101:
+        return await relay_response(conn, forward, head, upstream, response)
+    why = check_switch(plan, response)
+    if why is not None:
+        raise Refused(_failed(plan, f"{forward.host} failed the websocket handshake: {why}"))
+    progress.address = upstream.address
+    progress.status = 101
+    if forward.provider is not None:
+        conn.emit(
+            CredentialInjected(
+                crew=conn.crew.name, provider=forward.provider.value, host=forward.host
+            )
+        )
+    scrubber = conn.runtime.scrubbers.current
+    relay = WebSocketRelay(scrubber, websocket_limits(conn))
+    started = time.monotonic()
+    try:
+        conn.response_started = True
+        await conn.stream.send_all(switching_head(response, scrubber))
+        # The session keeps its own deadlines; lift the connection's.
+        conn.phase = Phase.RELAY
+        conn.deadline = math.inf
+        agent_prefix = bytes(conn.buffer)
+        conn.buffer.clear()
+        upstream_prefix = bytes(upstream.buffer)
+        upstream.buffer.clear()
+        await run_session(
+            relay,
+            conn.stream,
+            upstream.stream,
+            conn.crew.buffered,
+            agent_prefix=agent_prefix,
+            upstream_prefix=upstream_prefix,
+        )
+    except _BROKEN as exc:
+        relay.lost(Side.AGENT, f"agent_reset: {exc}")
+    finally:
+        upstream.close()
+        conn.upstream = None
+        ended = conn.ended_by or relay.ended or "shutdown"
+        bytes_up, frames_up, messages_up = relay.stats(Side.AGENT)
+        _, frames_down, messages_down = relay.stats(Side.UPSTREAM)
+        progress.bytes_up = bytes_up
+        progress.bytes_down = relay.bytes_down
+        progress.redactions = relay.redactions
+        progress.started = min(progress.started, started)
+        conn.emit_allowed(
+            101,
+            ended,
+            WebSocketSession(
+                frames_up=frames_up,
+                frames_down=frames_down,
+                messages_up=messages_up,
+                messages_down=messages_down,
+                closed_by=relay.closed_by,
+                close_code=relay.close_code,
+            ),
+        )
+    return False
+
+
+# -- the handshake ------------------------------------------------------------------------------
+
+
+def _failed(plan: OpenWebSocket, message: str, rule: str = "websocket_handshake") -> Refuse:
+    return plan.request.refused(502, "upstream_failed", message, rule=rule, close=True)
+
+
+async def _open(conn: ClientConnection, plan: OpenWebSocket) -> UpstreamConnection:
+    """A fresh upstream connection: a session never returns its connection to the pool."""
+    crew, forward = conn.crew, plan.forward
+    conn.phase = Phase.UPSTREAM
+    conn.deadline = math.inf  # the dialer bounds lookups, connects and handshakes itself
+    try:
+        upstream = await conn.runtime.dialer.open(
+            crew.name, crew.lookups, crew.guard, forward.tls, forward.host, forward.port
+        )
+    except PolicyDenied as exc:
+        raise Refused(plan.request.denied(exc.rule, str(exc), close=True)) from None
+    except UpstreamError as exc:
+        raise Refused(upstream_refusal(plan.request, exc, close=True)) from None
+    conn.upstream = upstream
+    return upstream
+
+
+async def _handshake(
+    conn: ClientConnection, plan: OpenWebSocket, upstream: UpstreamConnection
+) -> http1.ResponseHead:
+    """Send the handshake; the upstream's final answer (interim 1xx but 101 dropped)."""
+    forward = plan.forward
+    deadline = time.monotonic() + conn.limits.read_timeout
+    conn.phase = Phase.UPSTREAM
+    conn.deadline = deadline
+    buffer = upstream.buffer
+    try:
+        await upstream.stream.send_all(forward.upstream_head(None))
+        answer_pending = True
+        while True:
+            if buffer:
+                parsed = http1.parse_response_head(
+                    buffer, conn.runtime.http_limits, request_method=b"GET"
+                )
+                if parsed is not None:
+                    response, consumed = parsed
+                    del buffer[:consumed]
+                    if 100 <= response.status < 200 and response.status != 101:
+                        continue  # interim (103 Early Hints): not relayed
+                    return response
+            data = await conn._receive(
+                upstream.stream, Phase.UPSTREAM, deadline, answer_pending=answer_pending
+            )
+            answer_pending = False
+            if not data:
+                raise Refused(
+                    _failed(
+                        plan,
+                        f"{forward.host} closed the connection before answering the handshake",
+                        "upstream_closed",
+                    )
+                )
+            buffer += data
+    except HttpProtocolError as exc:
+        raise Refused(
+            _failed(
+                plan, f"{forward.host} sent a malformed response: {exc}", "upstream_protocol_error"
+            )
+        ) from None
+    except _BROKEN as exc:
+        raise Refused(
+            _failed(plan, f"{forward.host} closed the connection: {exc}", "upstream_closed")
+        ) from None
+
+
+# -- the session --------------------------------------------------------------------------------
+
+
+async def run_session(
+    relay: WebSocketRelay,
+    agent: FrameStream,
+    upstream: FrameStream,
+    budget: BufferBudget,
+    *,
+    agent_prefix: bytes = b"",
+    upstream_prefix: bytes = b"",
+) -> None:
+    """Relay until the relay is done or a deadline gives up on it (see the module docstring).
+    Raises nothing for what a peer does; only cancellation from outside propagates."""
+    session = Session(relay, agent, upstream, budget)
+    now = trio.current_time()
+    if agent_prefix:
+        relay.receive(Side.AGENT, agent_prefix, now)
+    if upstream_prefix:
+        relay.receive(Side.UPSTREAM, upstream_prefix, now)
+    async with trio.open_nursery() as nursery:
+        session.nursery = nursery
+        nursery.start_soon(session.keep_deadlines)
+        await session.flush()
+        for side in Side:
+            nursery.start_soon(session.pump, side)
+
+
+class Session:
+    """The trio side of one relayed session: two pumps and the deadlines."""
+
+    def __init__(
+        self,
+        relay: WebSocketRelay,
+        agent: FrameStream,
+        upstream: FrameStream,
+        budget: BufferBudget,
+    ) -> None:
+        self.relay = relay
+        self.streams = {Side.AGENT: agent, Side.UPSTREAM: upstream}
+        self.locks = {Side.AGENT: trio.Lock(), Side.UPSTREAM: trio.Lock()}
+        self.budget = budget
+        self.nursery: trio.Nursery | None = None
+        limits = relay.limits
+        self.idle_deadline = trio.current_time() + limits.idle_timeout
+        self.close_deadline = math.inf
+        self.wake = trio.Event()  # the deadlines moved
+
+    def touch(self) -> None:
+        self.idle_deadline = trio.current_time() + self.relay.limits.idle_timeout
+
+    async def pump(self, side: Side) -> None:
+        relay, stream, budget = self.relay, self.streams[side], self.budget
+        while relay.wants_input(side):
+            # The read and what it becomes are held against the crew's budget until sent.
+            held = 2 * READ_SIZE if budget.take(2 * READ_SIZE) else 0
+            try:
+                try:
+                    data = await stream.receive(READ_SIZE if held else SMALL_READ)
+                except _BROKEN as exc:
+                    relay.lost(side, f"{side.value}_reset: {exc}")
+                else:
+                    self.touch()
+                    relay.receive(side, data, trio.current_time())
+                await self.flush()
+            finally:
+                if held:
+                    budget.give_back(held)
+
+    async def flush(self) -> None:
+        """Send each side what the relay has for it; end the session once the relay is done."""
+        relay = self.relay
+        pending = True
+        while pending:
+            pending = False
+            for side in Side:
+                async with self.locks[side]:
+                    out = relay.take(side)
+                    if not out:
+                        continue
+                    pending = True
+                    try:
+                        await self.streams[side].send_all(out)
+                    except _BROKEN as exc:
+                        relay.lost(side, f"{side.value}_reset: {exc}")
+                    else:
+                        self.touch()
+        if relay.closing and self.close_deadline == math.inf:
+            self.close_deadline = trio.current_time() + relay.limits.close_timeout
+            self.wake.set()
+        if relay.done and self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
+
+    async def keep_deadlines(self) -> None:
+        relay = self.relay
+        while True:
+            closing = self.close_deadline != math.inf
+            deadline = self.close_deadline if closing else self.idle_deadline
+            with trio.move_on_at(deadline):
+                await self.wake.wait()
+            self.wake = trio.Event()
+            now = trio.current_time()
+            if now >= self.close_deadline:
+                relay.expire_close()
+                # Whatever Close answers are owed go out if they can, briefly.
+                with trio.move_on_after(min(1.0, relay.limits.close_timeout)):
+                    await self.flush()
+                assert self.nursery is not None
+                self.nursery.cancel_scope.cancel()
+                return
+            if now >= self.idle_deadline and self.close_deadline == math.inf:
+                relay.expire_idle()
+                self.close_deadline = now + relay.limits.close_timeout
+                with trio.move_on_at(self.close_deadline):
+                    await self.flush()
