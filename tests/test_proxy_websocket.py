@@ -99,7 +99,7 @@ def port_of(server: Any) -> int:
 
 
 @contextlib.asynccontextmanager
-async def session(proxy: RunningProxy, handler: Handler = echo) -> AsyncIterator[Any]:
+async def relayed(proxy: RunningProxy, handler: Handler = echo) -> AsyncIterator[Any]:
     """A websockets upstream on loopback with `handler`, and a client to it through `proxy`."""
     async with (
         await upstream(handler) as server,
@@ -168,7 +168,7 @@ def test_large_fragmented_messages(ws_proxy: RunningProxy) -> None:
     text = "".join(chr(0x400 + i % 900) + "€𝄞a" for i in range(150_000))  # ~1.5 MiB, 1 to 4 bytes
 
     async def main() -> None:
-        async with session(ws_proxy) as ws:
+        async with relayed(ws_proxy) as ws:
             await ws.send([binary[i : i + 65_000] for i in range(0, len(binary), 65_000)])
             assert await ws.recv() == binary
             await ws.send([text[i : i + 7_777] for i in range(0, len(text), 7_777)])
@@ -186,7 +186,7 @@ def test_close_begun_by_the_upstream(ws_proxy: RunningProxy) -> None:
         await ws.close(4001, "done here")
 
     async def main() -> None:
-        async with session(ws_proxy, close_after_one) as ws:
+        async with relayed(ws_proxy, close_after_one) as ws:
             await ws.send("one")
             assert await ws.recv() == "one"
             with pytest.raises(ConnectionClosed) as closed:
@@ -326,7 +326,7 @@ def test_credential_echoed_in_frames_arrives_scrubbed(ws_proxy: RunningProxy) ->
         await ws.send("no secret here")
 
     async def main() -> None:
-        async with session(ws_proxy, leak) as ws:
+        async with relayed(ws_proxy, leak) as ws:
             await ws.send("go")
             got = [await ws.recv() for _ in range(4)]
 
@@ -425,7 +425,7 @@ def test_ping_flood_is_cut_off(ws_proxy: RunningProxy) -> None:
 
 def test_oversized_message_is_refused_1009(ws_proxy: RunningProxy) -> None:
     async def main() -> None:
-        async with session(ws_proxy) as ws:
+        async with relayed(ws_proxy) as ws:
             await ws.send(b"x" * (4 * 1024 * 1024 + 1))
             with pytest.raises(ConnectionClosed) as closed:
                 await ws.recv()
