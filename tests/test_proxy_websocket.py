@@ -520,3 +520,39 @@ def test_slow_reader_gets_backpressure_not_buffering(ws_proxy: RunningProxy) -> 
     run(main)
     [session] = sessions(ws_proxy)
     assert session.bytes_down == total * len(chunk) and session.ended == "complete"
+
+
+def test_both_directions_stream_at_once(ws_proxy: RunningProxy) -> None:
+    """An upstream that sends its whole stream before it reads, and an agent that does the
+    same: each direction moves on its own (a direction blocked on a peer never holds up the
+    other), so neither side waits for the idle timeout."""
+    chunk = os.urandom(512 * 1024)
+    count = 48
+
+    async def send_then_read(ws: ServerConnection) -> None:
+        for _ in range(count):
+            await ws.send(chunk)
+        for _ in range(count):
+            assert await ws.recv() == chunk
+        await ws.send("all read")
+
+    async def main() -> None:
+        async with (
+            await upstream(send_then_read, max_queue=1) as server,
+            via(ws_proxy, f"ws://plain.test:{port_of(server)}/", max_queue=1) as ws,
+        ):
+
+            async def send_all() -> None:
+                for _ in range(count):
+                    await ws.send(chunk)
+
+            sender = asyncio.create_task(send_all())
+            for _ in range(count):
+                assert await ws.recv() == chunk
+            assert await ws.recv() == "all read"
+            await sender
+
+    run(main)
+    [session] = sessions(ws_proxy)
+    assert session.ended == "complete"
+    assert session.bytes_up == session.bytes_down - len("all read") == count * len(chunk)

@@ -7,16 +7,18 @@ the answer. Anything but a 101 is an ordinary response, relayed as the forward p
 (proxycore/io/forward.py `relay_response`). A 101 that fails the client's checks is a 502; a
 good one is answered to the agent and the session begins.
 
-The session is two tasks, one per side, around one sans-IO `WebSocketRelay`
-(proxycore/protocol/wsrelay.py). A task reads its side, hands the bytes to the relay and sends
-what the relay has for each side before it reads again: backpressure, so a session holds at most
-what one read brought in per direction. A read is `READ_SIZE` bytes while the crew's buffer
-budget (`max_buffered_bytes_per_crew`, shared with bodies) has room for it and its output, else
-`SMALL_READ` bytes: what a crew's sessions hold is bounded by its budget plus that small read per
-direction and connection. Each side has a lock, taken around taking the relay's bytes for it and
-sending them, so bytes leave in the order the relay produced them.
+The session is a reader and a writer per side around one sans-IO `WebSocketRelay`
+(proxycore/protocol/wsrelay.py). A reader reads its side, hands the bytes to the relay and
+waits until the writer of the other side has sent what that made before it reads again:
+backpressure, so a session holds at most what one read brought in per direction. A writer
+sends its side what the relay has for it, in the order the relay made it. Each direction waits
+only on its own peer: one that stops reading stalls its direction, never the other (a proxy
+must not add a coupling that a direct connection would not have). A read is `READ_SIZE` bytes
+while the crew's buffer budget (`max_buffered_bytes_per_crew`, shared with bodies) has room for
+it and its output, else `SMALL_READ` bytes: what a crew's sessions hold is bounded by its budget
+plus that small read per direction and connection.
 
-A third task keeps the deadlines: no byte moved either way for `ws_idle_timeout` starts a close
+A fifth task keeps the deadlines: no byte moved either way for `ws_idle_timeout` starts a close
 with both sides (1001); once a Close has been sent, an answer is awaited for `ws_close_timeout`
 at most, then the connections are dropped. The sides are byte streams (`receive`, `send_all`),
 so the same session can run over an HTTP/2 stream (RFC 8441 extended CONNECT) later.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -238,13 +241,20 @@ async def run_session(
     async with trio.open_nursery() as nursery:
         session.nursery = nursery
         nursery.start_soon(session.keep_deadlines)
-        await session.flush()
         for side in Side:
-            nursery.start_soon(session.pump, side)
+            nursery.start_soon(session.write, side)
+            nursery.start_soon(session.read, side)
+        session.changed()
 
 
 class Session:
-    """The trio side of one relayed session: two pumps and the deadlines."""
+    """The trio side of one relayed session: a reader and a writer per side, and the deadlines.
+
+    A reader reads its side, hands the bytes to the relay, and waits until what that made for
+    the other side has been sent before it reads again (backpressure). A writer sends its side
+    whatever the relay has for it, in the order the relay made it. So a direction blocked on a
+    peer that does not read never holds up the other direction: each waits only on its own.
+    """
 
     def __init__(
         self,
@@ -255,19 +265,37 @@ class Session:
     ) -> None:
         self.relay = relay
         self.streams = {Side.AGENT: agent, Side.UPSTREAM: upstream}
-        self.locks = {Side.AGENT: trio.Lock(), Side.UPSTREAM: trio.Lock()}
         self.budget = budget
         self.nursery: trio.Nursery | None = None
-        limits = relay.limits
-        self.idle_deadline = trio.current_time() + limits.idle_timeout
+        self.idle_deadline = trio.current_time() + relay.limits.idle_timeout
         self.close_deadline = math.inf
-        self.wake = trio.Event()  # the deadlines moved
+        self._changed = trio.Event()  # set, and replaced, whenever the relay's state moves
 
     def touch(self) -> None:
         self.idle_deadline = trio.current_time() + self.relay.limits.idle_timeout
 
-    async def pump(self, side: Side) -> None:
+    def changed(self) -> None:
+        """The relay's state moved: arm the close deadline, end a finished session, wake all."""
+        relay = self.relay
+        if (relay.closing or relay.done) and self.close_deadline == math.inf:
+            # A Close awaits its answer, or the last frames of a finished session go out: both
+            # are bounded by the close timeout.
+            self.close_deadline = trio.current_time() + relay.limits.close_timeout
+        if relay.done and not self._pending() and self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _pending(self) -> bool:
+        return self.relay.pending(Side.AGENT) or self.relay.pending(Side.UPSTREAM)
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    async def read(self, side: Side) -> None:
         relay, stream, budget = self.relay, self.streams[side], self.budget
+        other = side.other
         while relay.wants_input(side):
             # The read and what it becomes are held against the crew's budget until sent.
             held = 2 * READ_SIZE if budget.take(2 * READ_SIZE) else 0
@@ -279,54 +307,41 @@ class Session:
                 else:
                     self.touch()
                     relay.receive(side, data, trio.current_time())
-                await self.flush()
+                self.changed()
+                await self._until(lambda: not relay.pending(other))
             finally:
                 if held:
                     budget.give_back(held)
 
-    async def flush(self) -> None:
-        """Send each side what the relay has for it; end the session once the relay is done."""
-        relay = self.relay
-        pending = True
-        while pending:
-            pending = False
-            for side in Side:
-                async with self.locks[side]:
-                    out = relay.take(side)
-                    if not out:
-                        continue
-                    pending = True
-                    try:
-                        await self.streams[side].send_all(out)
-                    except _BROKEN as exc:
-                        relay.lost(side, f"{side.value}_reset: {exc}")
-                    else:
-                        self.touch()
-        if relay.closing and self.close_deadline == math.inf:
-            self.close_deadline = trio.current_time() + relay.limits.close_timeout
-            self.wake.set()
-        if relay.done and self.nursery is not None:
-            self.nursery.cancel_scope.cancel()
+    async def write(self, side: Side) -> None:
+        relay, stream = self.relay, self.streams[side]
+        while True:
+            await self._until(lambda: relay.pending(side))
+            out = relay.take(side)
+            try:
+                await stream.send_all(out)
+            except _BROKEN as exc:
+                relay.lost(side, f"{side.value}_reset: {exc}")
+            else:
+                self.touch()
+            self.changed()
 
     async def keep_deadlines(self) -> None:
         relay = self.relay
         while True:
             closing = self.close_deadline != math.inf
-            deadline = self.close_deadline if closing else self.idle_deadline
-            with trio.move_on_at(deadline):
-                await self.wake.wait()
-            self.wake = trio.Event()
+            with trio.move_on_at(self.close_deadline if closing else self.idle_deadline):
+                await self._changed.wait()
             now = trio.current_time()
             if now >= self.close_deadline:
                 relay.expire_close()
+                self.changed()
                 # Whatever Close answers are owed go out if they can, briefly.
                 with trio.move_on_after(min(1.0, relay.limits.close_timeout)):
-                    await self.flush()
+                    await self._until(lambda: not self._pending())
                 assert self.nursery is not None
                 self.nursery.cancel_scope.cancel()
                 return
-            if now >= self.idle_deadline and self.close_deadline == math.inf:
+            if now >= self.idle_deadline and not closing:
                 relay.expire_idle()
-                self.close_deadline = now + relay.limits.close_timeout
-                with trio.move_on_at(self.close_deadline):
-                    await self.flush()
+                self.changed()

@@ -144,6 +144,9 @@ class WebSocketRelay:
     def wants_input(self, side: Side) -> bool:
         return not self.peers[side].done and not self.done
 
+    def pending(self, side: Side) -> bool:
+        return bool(self.peers[side].outgoing)
+
     def take(self, side: Side) -> bytes:
         """What to send to `side` now (the adapter sends it before reading more)."""
         peer = self.peers[side]
