@@ -556,3 +556,57 @@ def test_both_directions_stream_at_once(ws_proxy: RunningProxy) -> None:
     [session] = sessions(ws_proxy)
     assert session.ended == "complete"
     assert session.bytes_up == session.bytes_down - len("all read") == count * len(chunk)
+
+
+def test_an_upstream_that_vanishes_gets_the_agent_a_1001(ws_proxy: RunningProxy) -> None:
+    """The upstream's connection is cut without a Close: that session ends (and only it), the
+    agent is told 1001, and the journal says why."""
+
+    async def vanish(ws: ServerConnection) -> None:
+        await ws.send(await ws.recv())
+        ws.transport.abort()  # an RST, no Close
+
+    async def main() -> None:
+        async with relayed(ws_proxy, vanish) as ws:
+            await ws.send("one")
+            assert await ws.recv() == "one"
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+        # The proxy carries on: another session works.
+        async with relayed(ws_proxy) as ws:
+            await ws.send("two")
+            assert await ws.recv() == "two"
+
+    run(main)
+    first, second = sessions(ws_proxy, 2)
+    assert first.ended.startswith(("upstream_closed", "upstream_reset")), first.ended
+    assert first.websocket is not None and first.websocket.closed_by == "upstream"
+    assert second.ended == "complete"
+
+
+def test_removing_the_crew_closes_its_sessions_with_1001(make_proxy) -> None:
+    proxy = make_proxy(allow=["plain.test"], with_control=True)
+    upstream_close: dict[str, Any] = {}
+
+    async def record(ws: ServerConnection) -> None:
+        await echo(ws)
+        upstream_close["code"] = ws.close_code
+
+    async def main() -> None:
+        async with relayed(proxy, record) as ws:
+            await ws.send("hi")
+            assert await ws.recv() == "hi"
+            reader, writer = await asyncio.open_unix_connection(str(proxy.control_socket))
+            writer.write(b'{"type": "crew_remove", "name": "test"}\n')
+            assert json.loads(await reader.readline())["ok"] is True
+            writer.close()
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+        await asyncio.sleep(0.3)
+
+    run(main)
+    assert upstream_close["code"] == 1001
+    [session] = sessions(proxy)
+    assert session.ended == "crew_removed"

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 READ_SIZE = 64 * 1024
 SMALL_READ = 4 * 1024
+# How long a session ended from outside may take to tell its peers (a Close each).
+GOING_AWAY_SECONDS = 0.5
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -122,6 +124,18 @@ async def serve_websocket(
     except _BROKEN as exc:
         relay.lost(Side.AGENT, f"agent_reset: {exc}")
     finally:
+        if not relay.done:
+            # Ended from outside (the crew removed, the worker stopping): say so to both sides,
+            # briefly, rather than drop them without a Close.
+            relay.go_away(conn.ended_by or "shutdown", "going away")
+            with trio.CancelScope(shield=True), trio.move_on_after(GOING_AWAY_SECONDS):
+                for side, stream in ((Side.AGENT, conn.stream), (Side.UPSTREAM, upstream.stream)):
+                    out = relay.take(side)
+                    if out:
+                        try:
+                            await stream.send_all(out)
+                        except _BROKEN:
+                            pass
         upstream.close()
         conn.upstream = None
         ended = conn.ended_by or relay.ended or "shutdown"

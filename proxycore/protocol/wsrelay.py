@@ -195,9 +195,14 @@ class WebSocketRelay:
 
     def expire_idle(self) -> None:
         """Nothing moved for `idle_timeout`: close with both sides (1001)."""
-        self._note_end("idle_timeout", "proxy", GOING_AWAY)
+        self.go_away("idle_timeout", "idle timeout")
+
+    def go_away(self, why: str, reason: str = "") -> None:
+        """The proxy ends the session (a deadline, the crew removed, the worker stopping):
+        a Close (1001) to each side that can take one, an answer to each that is owed one."""
+        self._note_end(why, "proxy", GOING_AWAY)
         for side in Side:
-            self._send_close(side, GOING_AWAY, "idle timeout")
+            self._send_close(side, GOING_AWAY, reason)
 
     def expire_close(self) -> None:
         """A side did not answer a Close within `close_timeout`: answer what is owed, stop."""
