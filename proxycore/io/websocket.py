@@ -102,7 +102,6 @@ async def serve_websocket(
         )
     scrubber = conn.runtime.scrubbers.current
     relay = WebSocketRelay(scrubber, websocket_limits(conn))
-    started = time.monotonic()
     try:
         conn.response_started = True
         await conn.stream.send_all(switching_head(response, scrubber))
@@ -144,7 +143,6 @@ async def serve_websocket(
         progress.bytes_up = bytes_up
         progress.bytes_down = relay.bytes_down
         progress.redactions = relay.redactions
-        progress.started = min(progress.started, started)
         conn.emit_allowed(
             101,
             ended,
