@@ -154,20 +154,23 @@ def parse_h2load_log(lines: Sequence[str]) -> dict[str, Any]:
     With -D and --warm-up-time, h2load logs the main duration's requests only.
     """
     durations: list[float] = []
-    non_2xx = 0
+    statuses: dict[str, int] = {}
     for line in lines:
         fields = line.split("\t")
         if len(fields) < 3:
             continue
-        if not fields[1].startswith("2"):
-            non_2xx += 1
+        statuses[fields[1]] = statuses.get(fields[1], 0) + 1
         durations.append(int(fields[2]) / 1000.0)
     durations.sort()
+    # A status that is not a number (h2load writes -1 for a stream without a response) is
+    # counted apart from real non-2xx answers.
+    non_2xx = sum(n for code, n in statuses.items() if code.isdigit() and code[0] != "2")
     if not durations:
-        return {"logged": 0, "non_2xx": non_2xx}
+        return {"logged": 0, "non_2xx": non_2xx, "statuses": statuses}
     return {
         "logged": len(durations),
         "non_2xx": non_2xx,
+        "statuses": statuses,
         "p50_ms": round(percentile(durations, 50), 3),
         "p90_ms": round(percentile(durations, 90), 3),
         "p99_ms": round(percentile(durations, 99), 3),
