@@ -160,22 +160,28 @@ def parse_h2load_log(lines: Sequence[str]) -> dict[str, Any]:
         if len(fields) < 3:
             continue
         statuses[fields[1]] = statuses.get(fields[1], 0) + 1
-        durations.append(int(fields[2]) / 1000.0)
+        if _answered(fields[1]):
+            durations.append(int(fields[2]) / 1000.0)
     durations.sort()
-    # A status that is not a number (h2load writes -1 for a stream without a response) is
-    # counted apart from real non-2xx answers.
-    non_2xx = sum(n for code, n in statuses.items() if code.isdigit() and code[0] != "2")
+    # Status 0: a stream still in flight when -D ended (at most C x M of them), logged with the
+    # time until the cut; neither an answer nor a latency.
+    unfinished = sum(n for code, n in statuses.items() if not _answered(code))
+    non_2xx = sum(n for code, n in statuses.items() if _answered(code) and code[0] != "2")
+    base = {"logged": len(durations), "unfinished": unfinished, "non_2xx": non_2xx}
     if not durations:
-        return {"logged": 0, "non_2xx": non_2xx, "statuses": statuses}
+        return {**base, "statuses": statuses}
     return {
-        "logged": len(durations),
-        "non_2xx": non_2xx,
+        **base,
         "statuses": statuses,
         "p50_ms": round(percentile(durations, 50), 3),
         "p90_ms": round(percentile(durations, 90), 3),
         "p99_ms": round(percentile(durations, 99), 3),
         "max_ms": round(durations[-1], 3),
     }
+
+
+def _answered(code: str) -> bool:
+    return len(code) == 3 and code.isdigit()
 
 
 def read_h2load_log(path: Path) -> dict[str, Any]:
