@@ -38,6 +38,7 @@ Run `python bench/bench_h2.py --help` for the options.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import shutil
 import sys
@@ -51,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 import h2_client
-from bench_capacity import open_fds, unreclaimable_slab_kib
+from bench_capacity import open_fds, unreclaimable_slab_kib, vm_rss_kib
 from bench_h2_report import print_tables, summarize
 from common import Service, Unavailable, Workspace
 
@@ -289,18 +290,9 @@ def rss_group_kib(pgid: int) -> int:
     total = 0
     for pid, (_, group, _, _) in common._process_ticks().items():
         if group == pgid:
-            try:
-                total += common_rss(pid)
-            except (OSError, RuntimeError):
-                pass
+            with contextlib.suppress(OSError, RuntimeError):  # gone, or a zombie
+                total += vm_rss_kib(pid)
     return total
-
-
-def common_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def group_fds(pgid: int) -> int:
