@@ -804,14 +804,26 @@ def wrk_script(ws: Workspace, uri: str, authority: str) -> Path:
     return script
 
 
+def group_cpu_ticks(pgid: int) -> int:
+    """utime+stime of the live processes of process group `pgid` (a server and its workers)."""
+    return sum(ticks for _, group, ticks, _ in _process_ticks().values() if group == pgid)
+
+
 def run_measured(
-    ws: Workspace, argv: list[str], timeout: float, *, warmup: bool = False
+    ws: Workspace,
+    argv: list[str],
+    timeout: float,
+    *,
+    warmup: bool = False,
+    watch_pgid: int | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Run one measuring command; returns its stdout and the foreign load during it.
 
     With --retry-busy N, a run that other processes disturbed is run again (up to N times) and
     the least disturbed attempt is kept: the choice looks at the disturbance, never at the figure.
-    A warm-up run is run once, at once.
+    A warm-up run is run once, at once. With `watch_pgid`, the report also gives the CPU that
+    process group (the server under test) used during the kept attempt, in % of one core
+    (`watched_cpu_pct`): whether the figure is the server's limit or the load generator's.
     """
     best: tuple[str, dict[str, Any]] | None = None
     for attempt in range(1 if warmup else _busy_retries + 1):
@@ -822,6 +834,7 @@ def run_measured(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
         )
         ws.procs.append(proc)
+        watched = group_cpu_ticks(watch_pgid) if watch_pgid is not None else 0
         try:
             with ForeignLoad(ws) as load:
                 out, err = proc.communicate(timeout=timeout)
@@ -832,6 +845,10 @@ def run_measured(
             raise RuntimeError(f"{argv[0]} exited with {proc.returncode}: {message}")
         report = load.report()
         report["attempts"] = attempt + 1
+        if watch_pgid is not None and load.elapsed > 0:
+            watched = group_cpu_ticks(watch_pgid) - watched
+            hz = os.sysconf("SC_CLK_TCK")
+            report["watched_cpu_pct"] = round(100.0 * watched / (hz * load.elapsed), 1)
         if best is None or report["foreign_cpu_pct"] < best[1]["foreign_cpu_pct"]:
             best = (out.decode(errors="replace"), report)
         if warmup or report["foreign_cpu_pct"] <= FOREIGN_LOAD_WARN_PCT:
@@ -856,6 +873,7 @@ def run_wrk(
     threads: int = 1,
     core: str | None = LOAD_CORE,
     warmup: bool = False,
+    watch_pgid: int | None = None,
 ) -> WrkResult:
     if shutil.which("wrk") is None:
         raise Unavailable("wrk not installed (apt-get install -y wrk)")
@@ -873,7 +891,9 @@ def run_wrk(
             url,
         ],
     )
-    output, foreign = run_measured(ws, argv, timeout=duration + 60, warmup=warmup)
+    output, foreign = run_measured(
+        ws, argv, timeout=duration + 60, warmup=warmup, watch_pgid=watch_pgid
+    )
     result = parse_wrk(output)
     result.foreign = foreign
     return result

@@ -1,10 +1,10 @@
 """Run the whole benchmark suite and write bench/results/latest.json plus markdown tables.
 
-Runs bench_forward.py, bench_capacity.py, bench_connect.py, bench_scrub.py, bench_crews.py and
-bench_journal_proxy.py one after another (each as its own process, each command printed),
-gathers their JSON into bench/results/latest.json (a copy with the date in its name stays
-beside it) and prints every table as markdown, ready for docs/benchmarks.md. `--quick` shortens
-every run for a smoke test; its figures are not for the document.
+Runs bench_forward.py, bench_capacity.py, bench_connect.py, bench_scrub.py, bench_crews.py,
+bench_journal_proxy.py and bench_h2.py one after another (each as its own process, each
+command printed), gathers their JSON into bench/results/latest.json (a copy with the date in its
+name stays beside it) and prints every table as markdown, ready for docs/benchmarks.md.
+`--quick` shortens every run for a smoke test; its figures are not for the document.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import bench_capacity
 import bench_connect
 import bench_crews
 import bench_forward
+import bench_h2
 import bench_journal_proxy
 import bench_scrub
 import common
@@ -34,6 +35,7 @@ SUITES = {
     "scrub": (bench_scrub, "bench_scrub.py"),
     "crews": (bench_crews, "bench_crews.py"),
     "journal-proxy": (bench_journal_proxy, "bench_journal_proxy.py"),
+    "h2": (bench_h2, "bench_h2.py"),
 }
 
 
@@ -50,7 +52,7 @@ def suite_arguments(name: str, args: argparse.Namespace) -> list[str]:
     extra += ["--duration", f"{args.duration:g}", "--repeat", str(args.repeat)]
     if args.quick:
         extra += ["--warmup", "1"]
-        if name == "capacity":
+        if name in ("capacity", "h2"):
             extra += ["--connections", "200"]
     return extra
 

@@ -24,6 +24,7 @@ import os
 import sys
 
 import h11
+import msgspec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -34,7 +35,14 @@ from proxycore.protocol import http1
 from proxycore.protocol.credentials import Credential, Provider, Routes, route_for
 from proxycore.protocol.events import RequestDenied
 from proxycore.protocol.exchange import check_keeper_call, close_after_refusal, plan_request
-from proxycore.protocol.plans import Forward, OpenTunnel, Refuse, ServeKeeper, ServeLocal
+from proxycore.protocol.plans import (
+    Forward,
+    OpenTunnel,
+    OpenWebSocket,
+    Refuse,
+    ServeKeeper,
+    ServeLocal,
+)
 from proxycore.protocol.policy import Allowlist, CrewPolicy, NetworkMode
 from proxycore.protocol.responses import ResponsePlan, plan_response
 
@@ -50,6 +58,7 @@ _ANTHROPIC = route_for("https://api.anthropic.test", Provider.ANTHROPIC, Credent
 _OPENAI = route_for("https://api.openai.test/v1", Provider.OPENAI, Credential(OPENAI))
 _LIMITS = http1.Limits(max_request_line=512, max_header_count=32, max_header_bytes=4096)
 _AGENT_CREDENTIAL_FIELDS = (b"x-api-key", b"authorization", b"proxy-authorization", b"cookie")
+_UPGRADE_FIELDS = b"\r\nconnection: Upgrade\r\nupgrade: websocket"
 _MODES = (NetworkMode.RESTRICTED, NetworkMode.FREE, NetworkMode.NONE)
 
 
@@ -186,6 +195,17 @@ def TestOneInput(data: bytes) -> None:
                     assert not audit_blocked and crew.mode is not NetworkMode.NONE, plan
                     _check_forward(plan, head)
                     last = (plan, head)
+                elif isinstance(plan, OpenWebSocket):
+                    # A handshake is a forward plan plus the upgrade (and never a body).
+                    assert not audit_blocked and crew.mode is not NetworkMode.NONE, plan
+                    assert head.body_kind is http1.BodyKind.NONE, plan
+                    assert plan.forward.head.endswith(
+                        b"\r\nconnection: Upgrade\r\nupgrade: websocket"
+                    )
+                    assert b"sec-websocket-extensions" not in plan.forward.head.lower()
+                    # Without its upgrade fields it passes every check of a forward head.
+                    bare = plan.forward.head[: -len(_UPGRADE_FIELDS)]
+                    _check_forward(msgspec.structs.replace(plan.forward, head=bare), head)
                 elif isinstance(plan, ServeKeeper):
                     last = (plan, head)
                 else:
@@ -227,6 +247,14 @@ SEEDS = [
         (2, b"[" * 100),
     ),
     _seed((0, b"GET http://allowed.test/ HTTP/1.1\r\nHost: a\r\n\r\n"), flags=4 | 16),
+    _seed(
+        (
+            0,
+            b"GET ws://api.anthropic.test/v1/x HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\nx-api-key: own\r\nSec-WebSocket-Extensions: x\r\n\r\n",
+        ),
+    ),
     _seed(
         (0, b"GET http://allowed.test/ HTTP/1.1\r\nHost: a\r\n\r\n"),
         (1, b"HTTP/1.1 200 \xff" + KEY.encode() + b"\r\ntransfer-encoding: chunked"),

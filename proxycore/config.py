@@ -62,6 +62,14 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     idle_keepalive_timeout: PositiveFloat = 60.0
     connect_timeout: PositiveFloat = 10.0
     tunnel_idle_timeout: PositiveFloat = 300.0
+    # WebSocket sessions (proxycore/protocol/wsrelay.py): a message over the size fails its
+    # sender (1009); control frames (ping, pong) and empty fragments past the rate fail theirs
+    # (1008); a session silent both ways for the idle timeout is closed (1001); a Close is
+    # answered within the close timeout or the connection is dropped.
+    ws_max_message_bytes: PositiveInt = 16 * 1024 * 1024
+    ws_control_frames_per_second: PositiveInt = 100
+    ws_idle_timeout: PositiveFloat = 300.0
+    ws_close_timeout: PositiveFloat = 5.0
     max_connections: PositiveInt = 4096
     max_connections_per_crew: PositiveInt = 512
     # Upstream connections one crew may hold open at once: in use, pooled and tunnels (each

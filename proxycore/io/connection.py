@@ -48,8 +48,9 @@ from proxycore.io.keeper_client import serve_keeper
 from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
 from proxycore.io.tunnel import serve_tunnel
 from proxycore.io.upstream import UpstreamConnection
+from proxycore.io.websocket import serve_websocket
 from proxycore.protocol import http1
-from proxycore.protocol.events import Event, RequestAllowed
+from proxycore.protocol.events import Event, RequestAllowed, WebSocketSession
 from proxycore.protocol.exchange import (
     DRAIN_LIMIT,
     close_after_refusal,
@@ -60,6 +61,7 @@ from proxycore.protocol.http2 import preface_state
 from proxycore.protocol.plans import (
     Forward,
     OpenTunnel,
+    OpenWebSocket,
     Refuse,
     Request,
     ServeKeeper,
@@ -277,6 +279,9 @@ class ClientConnection:
         if isinstance(plan, Refuse):
             self.progress = Progress(_request_of(plan, crew), started)
             raise Refused(plan)
+        if isinstance(plan, OpenWebSocket):
+            self.progress = Progress(plan.request, started, body_consumed=True)
+            return await serve_websocket(self, plan, head)
         self.progress = Progress(
             plan.request, started, body_consumed=head.body_kind is http1.BodyKind.NONE
         )
@@ -321,7 +326,9 @@ class ClientConnection:
     def emit(self, event: Event) -> None:
         self.runtime.sink.emit(event)
 
-    def emit_allowed(self, status: int, ended: str = "complete") -> None:
+    def emit_allowed(
+        self, status: int, ended: str = "complete", websocket: WebSocketSession | None = None
+    ) -> None:
         """The request's terminal event for an answer relayed (RequestAllowed)."""
         progress = self.progress
         if progress is None:
@@ -345,6 +352,7 @@ class ClientConnection:
                 complete=ended == "complete",
                 ended=ended,
                 redactions=progress.redactions,
+                websocket=websocket,
             )
         )
 

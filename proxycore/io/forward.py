@@ -48,7 +48,6 @@ class _UpstreamBroken(Exception):
 async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:
     """Carry out a Forward plan; returns whether the agent's connection stays open. A refusal
     raised from here leaves `conn.upstream` for the connection to close (never pooled)."""
-    crew = conn.crew
     progress = conn.progress
     assert progress is not None
     if plan.provider is not None:
@@ -58,6 +57,21 @@ async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.Reque
         upstream, response = await _send_replayable(conn, plan, head, None)
     else:
         upstream, response = await _send_with_body(conn, plan, head)
+    return await relay_response(conn, plan, head, upstream, response)
+
+
+async def relay_response(
+    conn: ClientConnection,
+    plan: Forward,
+    head: http1.RequestHead,
+    upstream: UpstreamConnection,
+    response: http1.ResponseHead,
+) -> bool:
+    """Relay the response whose head has arrived (proxycore/protocol/responses.py decides how);
+    returns whether the agent's connection stays open."""
+    crew = conn.crew
+    progress = conn.progress
+    assert progress is not None
     progress.address = upstream.address
     progress.status = response.status
     if plan.provider is not None:

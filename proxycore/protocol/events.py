@@ -19,6 +19,19 @@ class Event(msgspec.Struct, frozen=True, tag_field="event", kw_only=True, omit_d
     crew: str
 
 
+class WebSocketSession(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a WebSocket session relayed (proxycore/protocol/wsrelay.py), in its request's
+    terminal event; the payload bytes are the event's `bytes_up` and `bytes_down`."""
+
+    frames_up: int = 0  # agent -> upstream, control frames included
+    frames_down: int = 0
+    messages_up: int = 0
+    messages_down: int = 0
+    # Whose Close (or failure) began the end: "agent", "upstream" or "proxy"; and its code.
+    closed_by: str = ""
+    close_code: int = 0
+
+
 class RequestAllowed(Event, frozen=True, tag="request_allowed"):
     """The policy allowed the request and an answer was relayed: the request's terminal event,
     emitted when the exchange ends (for a tunnel: once it is established)."""
@@ -40,6 +53,9 @@ class RequestAllowed(Event, frozen=True, tag="request_allowed"):
     ended: str = "complete"
     # Secrets the scrubber redacted from the answer (head and body); left off the wire when 0.
     redactions: int = 0
+    # A request that switched to WebSocket (status 101): the session, emitted when it ends;
+    # `ended` "complete" is a clean close handshake.
+    websocket: WebSocketSession | None = None
 
 
 class RequestDenied(Event, frozen=True, tag="request_denied"):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 
 from proxycore.errors import PolicyDenied
-from proxycore.protocol import http1
+from proxycore.protocol import http1, websocket
 from proxycore.protocol.credentials import Provider, ProviderRoute, Routes, rewrite_for_provider
 from proxycore.protocol.events import KeeperCallRefused
 from proxycore.protocol.keeper import (
@@ -85,6 +85,7 @@ _METHODS_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
 # identity so that the scrubber reads the response body; see proxycore/protocol/scrubbing.py).
 _REQUEST_FRAMING = frozenset({b"host", b"content-length", b"expect", b"accept-encoding"})
 _REQUEST_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING)
+_WEBSOCKET_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING | websocket.WEBSOCKET_DROP)
 # After "http://": the authority runs to the first "/", "?" or "#"; the path and query run to
 # the fragment, which is dropped (RFC 9110 4.2.1: never sent to the origin).
 _ABSOLUTE_TARGET_RE = re.compile(rb"([^/?#]*)([^#]*)")
@@ -115,6 +116,19 @@ def plan_request(
     target = head.target
     if target[:7].lower() == b"http://" and head.method != b"CONNECT":
         return _plan_forward(head, crew, routes, audit_blocked=audit_blocked, max_body=max_body)
+    if target[:5].lower() == b"ws://" and head.method != b"CONNECT":
+        # RFC 6455 3: a ws URI names what an http one does, for a WebSocket handshake only.
+        if not websocket.wants_websocket(head):
+            request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii"))
+            return request.refused(
+                400,
+                "bad_request",
+                "ws:// targets are for WebSocket handshakes (GET with Upgrade: websocket)",
+                close=close_after_refusal(head),
+            )
+        return _plan_forward(
+            head, crew, routes, audit_blocked=audit_blocked, max_body=max_body, scheme_len=5
+        )
     request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii", "replace"))
     if head.method == b"CONNECT":
         return _plan_tunnel(head, crew, request, audit_blocked=audit_blocked)
@@ -122,11 +136,12 @@ def plan_request(
         return _plan_origin_form(
             head, crew, routes, request, audit_blocked=audit_blocked, max_body=max_body
         )
-    if target[:8].lower() == b"https://":
+    if target[:8].lower() == b"https://" or target[:6].lower() == b"wss://":
         return request.refused(
             400,
             "bad_request",
-            "https:// targets must use CONNECT",
+            f"{target.split(b':', 1)[0].decode('ascii', 'replace').lower()}:// targets must "
+            "use CONNECT",
             close=close_after_refusal(head),
         )
     return request.refused(
@@ -205,8 +220,9 @@ def _plan_forward(
     *,
     audit_blocked: bool,
     max_body: int,
+    scheme_len: int = 7,
 ) -> Plan:
-    match = _ABSOLUTE_TARGET_RE.match(head.target, 7)
+    match = _ABSOLUTE_TARGET_RE.match(head.target, scheme_len)
     assert match is not None  # the pattern matches any bytes
     authority, path = match.groups()
     if path[:1] != b"/":
@@ -334,7 +350,9 @@ def _forward(
             413, "body_too_large", f"request body over {max_body} bytes", close=True
         )
     authority = _HOST_FIELDS.get((host, port, tls)) or _host_field(host, port, tls)
-    fields = None if provider is not None else http1.relay_fields(head, _REQUEST_DROP)
+    upgrade = head.method == b"GET" and websocket.wants_websocket(head)
+    drop = _WEBSOCKET_DROP if upgrade else _REQUEST_DROP
+    fields = None if provider is not None else http1.relay_fields(head, drop)
     injected: Provider | None = None
     if fields is not None:
         # The fast path: the agent's field lines as they arrived, minus the dropped ones.
@@ -348,7 +366,7 @@ def _forward(
         headers = [
             (name, value)
             for name, value in http1.strip_hop_by_hop(head.headers)
-            if name not in _REQUEST_FRAMING
+            if name not in _REQUEST_FRAMING and not (upgrade and name in websocket.WEBSOCKET_DROP)
         ]
         if provider is not None:
             target, headers, did_inject = rewrite_for_provider(provider, target, headers)
@@ -359,7 +377,7 @@ def _forward(
         # serialize_request_head refuses a field a peer could not read back (CR, LF, NUL):
         # raises HttpProtocolError (500), which the adapter reports as an error.
         upstream = http1.serialize_request_head(head.method, target, headers)[:-4]
-    return Forward(
+    forward = Forward(
         request=request,
         host=host,
         port=port,
@@ -370,6 +388,7 @@ def _forward(
         expect_continue=head.expect_continue,
         empty_body_length=head.method in _METHODS_WITH_BODY,
     )
+    return websocket.plan_websocket(head, forward) if upgrade else forward
 
 
 _HOST_FIELDS: dict[tuple[str, int, bool], bytes] = {}

@@ -16,7 +16,16 @@ from proxycore.protocol.events import RequestDenied, RequestErrored, RequestRefu
 from proxycore.protocol.keeper import Action
 from proxycore.protocol.refusals import Refusal, refusal
 
-__all__ = ["Forward", "OpenTunnel", "Plan", "Refuse", "Request", "ServeKeeper", "ServeLocal"]
+__all__ = [
+    "Forward",
+    "OpenTunnel",
+    "OpenWebSocket",
+    "Plan",
+    "Refuse",
+    "Request",
+    "ServeKeeper",
+    "ServeLocal",
+]
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -159,4 +168,18 @@ class Forward(msgspec.Struct, frozen=True):
         return self.head + b"\r\ncontent-length: %d\r\n\r\n" % length
 
 
-Plan = Refuse | ServeLocal | ServeKeeper | OpenTunnel | Forward
+class OpenWebSocket(msgspec.Struct, frozen=True):
+    """Send the WebSocket handshake in `forward.head` (RFC 6455 4.1) and, on a 101 that passes
+    the client's checks for `key`, relay frames both ways (proxycore/protocol/websocket.py)."""
+
+    forward: Forward
+    # Sec-WebSocket-Key as the agent sent it, and the subprotocols it offered.
+    key: bytes
+    protocols: tuple[bytes, ...]
+
+    @property
+    def request(self) -> Request:
+        return self.forward.request
+
+
+Plan = Refuse | ServeLocal | ServeKeeper | OpenTunnel | Forward | OpenWebSocket
