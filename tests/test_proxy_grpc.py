@@ -107,26 +107,30 @@ class Echo:
     def hang(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Waits for the RPC to end from outside (deadline or cancellation); records how."""
         token = token_of(context)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            self.seen.remaining[token] = remaining
         done = self.seen.event(token)
-        context.add_callback(done.set)
+        if not context.add_callback(done.set):  # the RPC has ended already
+            done.set()
+        remaining = context.time_remaining()
+        self.seen.remaining[token] = -1.0 if remaining is None else remaining
         done.wait(30)
         self.seen.ended[token] = "inactive" if not context.is_active() else "active"
         return b""
 
     def drip(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Streams slowly until the client goes away; records that it did."""
+        """Streams slowly until the client goes away; records that it did (also when grpc
+        abandons the generator at a send that failed, and closes it)."""
         token = token_of(context)
         done = self.seen.event(token)
-        context.add_callback(done.set)
-        index = 0
-        while context.is_active() and index < 300:
-            yield b"drip %d" % index
-            index += 1
-            time.sleep(0.1)
-        self.seen.ended[token] = "inactive" if not context.is_active() else "ran out"
+        if not context.add_callback(done.set):
+            done.set()
+        try:
+            for index in range(300):
+                if not context.is_active():
+                    break
+                yield b"drip %d" % index
+                time.sleep(0.1)
+        finally:
+            self.seen.ended[token] = "inactive" if not context.is_active() else "ran out"
 
     def pause(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """One message, silence for `request` seconds, another."""
@@ -371,7 +375,7 @@ def test_cancellation_from_the_client_reaches_the_server(
         hang = method(channel, "unary_unary", "Hang").future(
             b"", timeout=30, metadata=(("token", unary_token),)
         )
-        wait_for(lambda: unary_token in upstream.seen.remaining)
+        assert wait_for(lambda: unary_token in upstream.seen.remaining)
         assert hang.cancel()
         # The server saw both RPCs end (RST_STREAM through the tunnel), well before their
         # deadlines.
