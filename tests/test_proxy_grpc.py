@@ -470,6 +470,20 @@ def test_silent_stream_needs_keepalive_under_the_tunnel_idle_timeout(
     assert sorted(e.reason for e in closed) == ["closed", "idle_timeout"]
 
 
+@pytest.mark.parametrize("variable", ["grpc_proxy", "https_proxy", "http_proxy"])
+def test_proxy_from_the_environment(
+    grpc_proxy: RunningProxy,
+    h2c_upstream: Server,
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+) -> None:
+    """What an agent's environment sets (no channel argument): grpcio tunnels the same way."""
+    monkeypatch.setenv(variable, grpc_proxy.url)
+    with h2c_upstream.channel(None) as channel:
+        assert method(channel, "unary_unary", "Unary")(b"env", timeout=10) == b"env"
+    assert_one_tunnel(tunnels(grpc_proxy, h2c_upstream.port, 1))
+
+
 # -- without CONNECT ------------------------------------------------------------------------------
 
 
