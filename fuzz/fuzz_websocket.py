@@ -275,17 +275,6 @@ SEEDS = [
 
 
 if __name__ == "__main__":
-    import tempfile
+    from seeded import fuzz
 
-    import atheris
-
-    args = sys.argv
-    if not any(not a.startswith("-") for a in args[1:]):
-        corpus = tempfile.mkdtemp(prefix="fuzz-websocket-")
-        for i, seed in enumerate(SEEDS):
-            with open(os.path.join(corpus, f"seed-{i}"), "wb") as f:
-                f.write(seed)
-        args = [*args, corpus]
-    atheris.instrument_all()
-    atheris.Setup(args, TestOneInput)
-    atheris.Fuzz()
+    fuzz("websocket", SEEDS, TestOneInput)
