@@ -147,6 +147,12 @@ class UpstreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The appliance's own address ranges (applianced puts its crews' pool here): refused as
     # destinations even when `ssrf_allow` covers them, so no crew reaches another crew.
     appliance_ranges: tuple[str, ...] = ()
+    # HTTP/2 upstream (docs/proxy.md "HTTP/2 to upstreams"): TLS upstreams are offered ALPN
+    # ["h2", "http/1.1"] (false: "http/1.1" only). Cleartext upstreams speak HTTP/1.1 unless
+    # listed in `h2c` ("host" or "host:port"), which are reached with HTTP/2 prior knowledge;
+    # a gRPC request (content-type application/grpc...) to a cleartext upstream always is.
+    h2: bool = True
+    h2c: tuple[str, ...] = ()
 
 
 class EventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

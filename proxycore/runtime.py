@@ -29,8 +29,10 @@ from proxycore import control
 from proxycore.config import DEFAULT_BASE_URLS, CrewConfig, ProxyConfig, crew_policy, validate
 from proxycore.errors import PolicyDenied, ProxyError
 from proxycore.io.dns import Resolver
+from proxycore.io.http2 import h2_limits
 from proxycore.io.sinks import EventSink
 from proxycore.io.upstream import Dialer, make_tls_context
+from proxycore.io.upstream_h2 import H2Pool
 from proxycore.protocol import http1
 from proxycore.protocol.credentials import (
     Credential,
@@ -133,7 +135,22 @@ class ProxyRuntime:
             max_open_per_crew=limits.upstream_connections_per_crew,
             max_idle_per_crew=limits.upstream_idle_per_crew,
             idle_timeout=limits.upstream_idle_timeout,
+            tls_h2=(
+                make_tls_context(upstream.ca_file, upstream.ca_file_only, ("h2", "http/1.1"))
+                if upstream.h2
+                else None
+            ),
         )
+        # Upstream HTTP/2 connections, per crew and host (proxycore/io/upstream_h2.py); the
+        # listener runs the pool (its tasks' nursery).
+        self.h2 = H2Pool(
+            h2_limits(limits),
+            self.http_limits,
+            write_timeout=limits.read_timeout,
+            idle_timeout=limits.upstream_idle_timeout,
+        )
+        # Cleartext upstreams reached with HTTP/2 prior knowledge: "host" or "host:port".
+        self.h2c_hosts = frozenset(entry.lower() for entry in upstream.h2c)
         self.connections = 0
         self.tunnel_ids = 0
         # Which crews started requests lately: pacing applies only when crews compete.
@@ -166,6 +183,7 @@ class ProxyRuntime:
                     connection.scope.cancel()
             if now >= next_idle_reap:
                 self.dialer.reap_idle()
+                self.h2.reap_idle()
                 next_idle_reap = now + IDLE_REAP_INTERVAL
 
     # -- crews --------------------------------------------------------------------------------
@@ -231,6 +249,7 @@ class ProxyRuntime:
         for connection in list(crew.live):
             connection.end("crew_removed")
         self.dialer.forget_crew(name)
+        self.h2.forget_crew(name)
         return control.ControlReply(ok=True, changed=True)
 
     def crew_for(self, local_address: str) -> CrewState | None:

@@ -101,7 +101,7 @@ def test_request_head_origin_and_absolute_form() -> None:
     own = http2.RequestReceived(1, b"POST", b"http", b"10.0.0.1:9119", b"/anthropic/v1", (), False)
     assert http2.request_head(own, "10.0.0.1") == (
         b"POST /anthropic/v1 HTTP/1.1\r\nhost: 10.0.0.1:9119\r\n"
-        b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+        b"transfer-encoding: chunked\r\nte: trailers\r\nconnection: close\r\n\r\n"
     )
     other = http2.RequestReceived(
         3,
@@ -114,7 +114,7 @@ def test_request_head_origin_and_absolute_form() -> None:
     )
     assert http2.request_head(other, "10.0.0.1") == (
         b"GET http://example.com/a?b HTTP/1.1\r\nhost: example.com\r\n"
-        b"cookie: a=1; b=2\r\nconnection: close\r\n\r\n"
+        b"cookie: a=1; b=2\r\nte: trailers\r\nconnection: close\r\n\r\n"
     )
 
 

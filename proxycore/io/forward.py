@@ -12,6 +12,13 @@ Request body, by framing (every one counted against `max_body_bytes` as it passe
     body as it is, a chunked body re-framed chunk by chunk (never the agent's own framing,
     extensions or trailers).
 
+HTTP/2 upstreams (proxycore/io/upstream_h2.py): `_open` takes a stream on the crew's HTTP/2
+connection to the host when it has one with room, else dials (TLS offers ALPN h2; a cleartext
+host listed in `[upstream] h2c`, or a gRPC request, is reached with prior knowledge); the stream
+takes the same HTTP/1.1 bytes as a socket, so nothing below changes for it. Trailers: a request
+body's trailer section reaches an HTTP/2 upstream (an HTTP/1.1 upstream never gets them, as
+before); a response's reaches an agent that takes them (proxycore/protocol/trailers.py).
+
 Response (proxycore/protocol/responses.py decides): no body; a small body read whole, scrubbed
 and sent with its new length; or a stream through the scrubber. A broken upstream before any
 response byte went to the agent is a 502 (or 504) the agent can read; after, the connection is
@@ -34,6 +41,7 @@ from proxycore.protocol.exchange import REPLAYABLE_BODY
 from proxycore.protocol.plans import Forward, Refuse
 from proxycore.protocol.responses import WHOLE_BODY, BodyMode, ResponsePlan, plan_response
 from proxycore.protocol.scrubbing import MarkerCount, redactions
+from proxycore.protocol.trailers import accepts_trailers, relayable, scrubbed_section, section
 
 if TYPE_CHECKING:
     from proxycore.io.connection import ClientConnection
@@ -94,7 +102,7 @@ async def relay_response(
     if isinstance(decided, Refuse):
         raise Refused(decided)
     if decided.mode is BodyMode.STREAM:
-        return await _relay_stream(conn, plan, decided, upstream, response)
+        return await _relay_stream(conn, plan, head, decided, upstream, response)
     buffer = upstream.buffer
     if decided.mode is BodyMode.NONE:
         out = decided.head()
@@ -167,7 +175,7 @@ async def _send_with_body(
     try:
         prefix = await _read_up_to(conn, reader, REPLAYABLE_BODY)
         if reader.done:
-            return await _send_replayable(conn, plan, head, prefix)
+            return await _send_replayable(conn, plan, head, prefix, reader.trailers)
         return await _send_streaming(conn, plan, head, reader, prefix)
     finally:
         budget.give_back(want)
@@ -196,23 +204,54 @@ async def _read_up_to(conn: ClientConnection, reader: http1.BodyReader, limit: i
     return bytes(body)
 
 
-async def _open(conn: ClientConnection, plan: Forward) -> UpstreamConnection:
-    """A fresh upstream connection for `plan`, dialled within the crew's shares."""
+async def _open(
+    conn: ClientConnection, plan: Forward, head: http1.RequestHead, *, fresh: bool = False
+) -> UpstreamConnection:
+    """An upstream for `plan`: a stream on the crew's HTTP/2 connection to the host (unless
+    `fresh`), else a connection dialled within the crew's shares (HTTP/2 if it says so)."""
     crew = conn.crew
-    dialer = conn.runtime.dialer
+    runtime = conn.runtime
+    dialer = runtime.dialer
+    pool = runtime.h2
+    h2 = pool.running and _speaks_h2(runtime.h2c_hosts, plan, head, dialer.tls_h2 is not None)
     conn.phase = Phase.UPSTREAM
     conn.deadline = float("inf")  # the dialer bounds lookups, connects and handshakes itself
+    key = (crew.name, plan.tls, plan.host, plan.port)
+    if h2 and not fresh:
+        stream = await pool.wait_for_stream(key)
+        if stream is not None:
+            conn.upstream = stream
+            return stream
     request = plan.request
     try:
         upstream = await dialer.open(
-            crew.name, crew.lookups, crew.guard, plan.tls, plan.host, plan.port
+            crew.name, crew.lookups, crew.guard, plan.tls, plan.host, plan.port, offer_h2=h2
         )
+        if h2 and (upstream.alpn == "h2" or not plan.tls):
+            upstream = pool.adopt(upstream)
     except PolicyDenied as exc:
         raise Refused(request.denied(exc.rule, str(exc), close=not plan.keep_alive)) from None
     except UpstreamError as exc:
         raise Refused(upstream_refusal(request, exc, close=True)) from None
+    finally:
+        if h2 and not fresh:
+            pool.dialed(key)
     conn.upstream = upstream
     return upstream
+
+
+def _speaks_h2(
+    h2c_hosts: frozenset[str], plan: Forward, head: http1.RequestHead, alpn: bool
+) -> bool:
+    """Whether to try HTTP/2: over TLS, ALPN decides (if offered at all); in cleartext only
+    with prior knowledge: a host the operator listed, or gRPC (RFC 9113 3.3; gRPC has no
+    HTTP/1.1 mapping, so nothing is lost by it)."""
+    if plan.tls:
+        return alpn
+    if plan.host in h2c_hosts or f"{plan.host}:{plan.port}" in h2c_hosts:
+        return True
+    content_type = head.get(b"content-type")
+    return content_type is not None and content_type[:16].lower() == b"application/grpc"
 
 
 async def _send_upstream(conn: ClientConnection, upstream: UpstreamConnection, data: bytes) -> None:
@@ -225,19 +264,29 @@ async def _send_upstream(conn: ClientConnection, upstream: UpstreamConnection, d
 
 
 async def _send_replayable(
-    conn: ClientConnection, plan: Forward, head: http1.RequestHead, body: bytes | None
+    conn: ClientConnection,
+    plan: Forward,
+    head: http1.RequestHead,
+    body: bytes | None,
+    trailers: list[tuple[bytes, bytes]] | None = None,
 ) -> tuple[UpstreamConnection, http1.ResponseHead]:
     """Send a request whose body (if any) is in hand: on a pooled connection first, and once
-    more on a fresh one if the pooled one turns out stale (closed or reset before answering)."""
+    more on a fresh one if the pooled one turns out stale (closed or reset before answering,
+    or an HTTP/2 stream the upstream refused unprocessed)."""
     data = plan.upstream_head(None if body is None else len(body))
     if body:
         data += body
     crew = conn.crew
     upstream = conn.runtime.dialer.checkout(crew.name, plan.tls, plan.host, plan.port)
+    fresh = False
     while True:
         if upstream is None:
-            upstream = await _open(conn, plan)
+            upstream = await _open(conn, plan, head, fresh=fresh)
         conn.upstream = upstream
+        if trailers and upstream.multiplexed:
+            # An HTTP/2 upstream takes the agent's trailer section (a chunked body carries it).
+            data = plan.upstream_head(None, chunked=True) + http1.encode_chunk(body or b"")
+            data += section(relayable(trailers, request=True))
         # One deadline for sending the request and for its answer's head.
         deadline = time.monotonic() + conn.limits.read_timeout
         conn.phase = Phase.UPSTREAM
@@ -251,8 +300,9 @@ async def _send_replayable(
         except _UpstreamBroken:
             upstream.close()
             conn.upstream = None
-            if upstream.reused:
+            if upstream.reused and not fresh:
                 upstream = None
+                fresh = True
                 continue  # the pooled connection had gone stale: once more, fresh
             raise Refused(_upstream_closed(plan)) from None
         if body:
@@ -270,7 +320,7 @@ async def _send_streaming(
 ) -> tuple[UpstreamConnection, http1.ResponseHead]:
     limit = conn.limits.max_body_bytes
     chunked = head.body_kind is http1.BodyKind.CHUNKED
-    upstream = await _open(conn, plan)
+    upstream = await _open(conn, plan, head)
     first = plan.upstream_head(None if chunked else head.content_length, chunked=chunked)
     sent = len(prefix)
     progress = conn.progress
@@ -295,7 +345,10 @@ async def _send_streaming(
                     conn, upstream, http1.encode_chunk(piece) if chunked else piece
                 )
         if chunked:
-            await _send_upstream(conn, upstream, http1.LAST_CHUNK)
+            last = http1.LAST_CHUNK
+            if reader.trailers and upstream.multiplexed:
+                last = section(relayable(reader.trailers, request=True))
+            await _send_upstream(conn, upstream, last)
         conn.buffer[:0] = reader.take_leftover()
         progress.body_consumed = True
         progress.bytes_up = sent
@@ -390,6 +443,7 @@ async def _read_response_head(
 async def _relay_stream(
     conn: ClientConnection,
     plan: Forward,
+    head: http1.RequestHead,
     decided: ResponsePlan,
     upstream: UpstreamConnection,
     response: http1.ResponseHead,
@@ -432,7 +486,7 @@ async def _relay_stream(
                 out += http1.encode_chunk(piece) if rechunk else piece
             if reader.done:
                 if rechunk:
-                    out += http1.LAST_CHUNK
+                    out += _last_chunk(conn, head, reader)
                 await send_all(out)
                 break
             if out:
@@ -463,6 +517,16 @@ async def _relay_stream(
     _release(conn, upstream, decided.reusable and not leftover)
     conn.emit_allowed(decided.status)
     return decided.keep_client
+
+
+def _last_chunk(conn: ClientConnection, head: http1.RequestHead, reader: http1.BodyReader) -> bytes:
+    """The end of a re-chunked response: with the upstream's trailer fields, scrubbed, when
+    the agent takes trailers (RFC 9110 6.5.1: otherwise they are dropped)."""
+    if reader.trailers and accepts_trailers(head):
+        fields = relayable(reader.trailers, request=False)
+        if fields:
+            return scrubbed_section(fields, conn.runtime.scrubbers.current)
+    return http1.LAST_CHUNK
 
 
 def _release(conn: ClientConnection, upstream: UpstreamConnection, reusable: bool) -> None:

@@ -52,11 +52,13 @@ from proxycore.protocol.http2 import (
     RequestReceived,
     StreamEnded,
     StreamReset,
+    TrailersReceived,
     WindowOpened,
     request_head,
     response_fields,
 )
 from proxycore.protocol.plans import Request
+from proxycore.protocol.trailers import relayable, section
 
 if TYPE_CHECKING:
     from proxycore.config import LimitsConfig
@@ -288,6 +290,10 @@ class H2Session:
                 pipe = self.pipes.get(event.stream_id)
                 if pipe is not None:
                     pipe.end_body()
+            elif isinstance(event, TrailersReceived):
+                pipe = self.pipes.get(event.stream_id)
+                if pipe is not None:
+                    pipe.feed_trailers(event.headers)
             elif isinstance(event, StreamReset):
                 pipe = self.pipes.get(event.stream_id)
                 if pipe is not None:
@@ -470,6 +476,15 @@ class StreamPipe(PlainStream):
             self.end_body()
         self._readable.set()
 
+    def feed_trailers(self, fields: tuple[tuple[bytes, bytes], ...]) -> None:
+        """The request's trailer section: it ends a chunked body (a body with a length has
+        nowhere to carry it: dropped, RFC 9110 6.5.1)."""
+        if not self._eof:
+            self._eof = True
+            if self._chunked:
+                self._body.append((section(relayable(fields, request=True)), 0))
+        self._readable.set()
+
     def end_body(self) -> None:
         if not self._eof:
             self._eof = True
@@ -547,7 +562,10 @@ class StreamPipe(PlainStream):
                         if head.status != 101:  # RFC 9113 8.6: no 101 in HTTP/2
                             await self._headers(head.status, fields, end=False)
                         continue
-                    if head.body_kind is http1.BodyKind.NONE:
+                    if head.body_kind is http1.BodyKind.NONE or (
+                        head.body_kind is http1.BodyKind.LENGTH and not head.content_length
+                    ):
+                        # No body: END_STREAM on the head (a gRPC "trailers-only" response).
                         await self._headers(head.status, fields, end=True)
                         return
                     # Queued, and written with the first DATA (one write for a small answer).
@@ -562,7 +580,13 @@ class StreamPipe(PlainStream):
             self._session.server.reset(self.stream_id, ErrorCode.INTERNAL_ERROR)
             self._session.kick()
             raise trio.BrokenResourceError(f"unreadable response: {exc}") from None
-        if piece or self._reader.done:
+        trailers = self._reader.trailers if self._reader.done else None
+        if trailers:
+            # RFC 9113 8.1: the trailer section is a HEADERS frame that ends the stream.
+            if piece:
+                await self._data(piece, end=False)
+            await self._trailers(trailers)
+        elif piece or self._reader.done:
             await self._data(piece, end=self._reader.done)
         else:
             await self._session.flush()  # a head whose body has not begun
@@ -578,6 +602,14 @@ class StreamPipe(PlainStream):
                 await session.send_locked()
         if end:
             self._done = True
+
+    async def _trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
+        session = self._session
+        async with session.lock:
+            if not session.server.send_trailers(self.stream_id, fields):
+                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
+            await session.send_locked()
+        self._done = True
 
     async def _data(self, piece: bytes, *, end: bool) -> None:
         session, server = self._session, self._session.server

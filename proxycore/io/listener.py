@@ -253,6 +253,7 @@ async def serve(
         async with trio.open_nursery() as nursery:
             await nursery.start(sink.run)
             nursery.start_soon(runtime.reap_expired)
+            await nursery.start(runtime.h2.run)
             if control_channel is not None:
                 nursery.start_soon(
                     _serve_control_channel, runtime, acceptor, control_channel, nursery

@@ -72,15 +72,23 @@ class UpstreamConnection:
     reused: bool = False
     idle_since: float = 0.0
     closed: bool = False
+    # One stream of an HTTP/2 connection (proxycore/io/upstream_h2.py): never pooled itself,
+    # and not counted as a connection (its connection is).
+    multiplexed: bool = False
+    # What TLS ALPN selected ("h2", "http/1.1"), "" when nothing was negotiated.
+    alpn: str = ""
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.owner.open -= 1
+            if not self.multiplexed:
+                self.owner.open -= 1
             self.stream.close()
 
 
-def make_tls_context(ca_file: str | None, ca_file_only: bool) -> ssl.SSLContext:
+def make_tls_context(
+    ca_file: str | None, ca_file_only: bool, alpn: tuple[str, ...] = ("http/1.1",)
+) -> ssl.SSLContext:
     if ca_file_only:
         context = ssl.create_default_context(cafile=ca_file)
     else:
@@ -92,7 +100,7 @@ def make_tls_context(ca_file: str | None, ca_file_only: bool) -> ssl.SSLContext:
     context.verify_mode = ssl.CERT_REQUIRED
     context.check_hostname = True
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_alpn_protocols(["http/1.1"])
+    context.set_alpn_protocols(list(alpn))
     return context
 
 
@@ -157,10 +165,13 @@ class Dialer:
         max_open_per_crew: int,
         max_idle_per_crew: int,
         idle_timeout: float,
+        tls_h2: ssl.SSLContext | None = None,
     ) -> None:
         self.guard = guard
         self.resolver = resolver
         self.tls = tls
+        # Offers ALPN ["h2", "http/1.1"] (proxycore/io/upstream_h2.py takes h2 connections).
+        self.tls_h2 = tls_h2
         self.local = LocalAddresses()
         self.appliance_ranges = tuple(ipaddress.ip_network(r) for r in appliance_ranges)
         self.connect_timeout = connect_timeout
@@ -234,7 +245,7 @@ class Dialer:
     def checkin(self, connection: UpstreamConnection) -> bool:
         """Return a connection with a complete exchange behind it to its crew's pool."""
         upstreams = connection.owner
-        if connection.closed or connection.buffer:
+        if connection.closed or connection.buffer or connection.multiplexed:
             return False
         if upstreams.idle_count >= self.max_idle_per_crew:
             self._evict_oldest(upstreams)
@@ -308,7 +319,11 @@ class Dialer:
         tls: bool,
         host: str,
         port: int,
+        *,
+        offer_h2: bool = False,
     ) -> UpstreamConnection:
+        """A checked, connected (and verified TLS) connection; `offer_h2`: ALPN offers h2
+        first (the caller reads `alpn`)."""
         addresses = await self.resolve(host, port, limiter, crew_guard)
         upstreams = self.reserve(crew)
         key = (crew, tls, host, port)
@@ -322,9 +337,8 @@ class Dialer:
             return UpstreamConnection(key, peer, PlainStream(sock), upstreams)
         connection = UpstreamConnection(key, peer, PlainStream(sock), upstreams)
         transport = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
-        ssl_stream = trio.SSLStream(
-            transport, self.tls, server_hostname=host, https_compatible=True
-        )
+        context = self.tls_h2 if offer_h2 and self.tls_h2 is not None else self.tls
+        ssl_stream = trio.SSLStream(transport, context, server_hostname=host, https_compatible=True)
         try:
             with trio.fail_after(self.connect_timeout):
                 await ssl_stream.do_handshake()
@@ -339,6 +353,7 @@ class Dialer:
             connection.close()
             raise
         connection.stream = TlsStream(ssl_stream, sock)
+        connection.alpn = ssl_stream.selected_alpn_protocol() or ""
         return connection
 
     async def connect_checked(

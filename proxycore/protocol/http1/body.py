@@ -13,10 +13,13 @@ What RFC 9112 asks a recipient to accept, and this decoder reads and then drops:
   chunk-line limit; nothing of them is kept;
 - trailer fields (7.1.2), by the field-line grammar, within the header count and size limits;
   "a recipient that removes the chunked coding from a message MAY selectively retain or discard
-  the received trailer fields": we discard them all. Framing fields (Content-Length,
-  Transfer-Encoding) in a trailer section are refused: RFC 9110 6.5.1 forbids them there, and a
-  peer sending them is probing for a reader that would act on them.
-The proxy re-frames every body it relays, so neither ever reaches the next hop.
+  the received trailer fields": they are kept in `trailers` (lowercase names, values without
+  surrounding whitespace) for the caller to relay or drop (proxycore/protocol/trailers.py).
+  Framing fields (Content-Length, Transfer-Encoding) in a trailer section are refused: RFC 9110
+  6.5.1 forbids them there, and a peer sending them is probing for a reader that would act on
+  them.
+The proxy re-frames every body it relays, so extensions never reach the next hop, and trailers
+only as the caller writes them again.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class BodyReader:
         "_trailer_bytes",
         "_trailer_count",
         "bytes_read",
+        "trailers",
     )
 
     def __init__(self, kind: BodyKind, content_length: int, limits: Limits, status: int) -> None:
@@ -94,6 +98,8 @@ class BodyReader:
         self._trailer_bytes = 0
         self._trailer_count = 0
         self.bytes_read = 0
+        # The trailer section's fields, once read (RFC 9112 7.1.2).
+        self.trailers: list[tuple[bytes, bytes]] = []
 
     @classmethod
     def for_request(cls, head: RequestHead, limits: Limits = DEFAULT_LIMITS) -> BodyReader:
@@ -232,7 +238,7 @@ class BodyReader:
         """Check the trailer line accumulated so far; True once the empty line ends the section.
 
         RFC 9112 7.1.2: trailer-section = *( field-line CRLF ), read by the field-line grammar
-        and held to the header limits (count and bytes), then dropped.
+        and held to the header limits (count and bytes), then kept in `trailers`.
         """
         line = self._line
         status = self._status
@@ -253,9 +259,11 @@ class BodyReader:
         self._trailer_count += 1
         if self._trailer_count > limits.max_header_count:
             raise refuse(f"more than {limits.max_header_count} trailer fields", status)
-        name = bytes(line[: line.index(b":")]).lower()
+        colon = line.index(b":")
+        name = bytes(line[:colon]).lower()
         if name in _TRAILER_FORBIDDEN:
             raise refuse(f"{name.decode()} in a trailer section (RFC 9110 6.5.1)", status)
+        self.trailers.append((name, bytes(line[colon + 1 : end]).strip(b" \t")))
         return False
 
 

@@ -7,6 +7,7 @@ turns a stream's request into the HTTP/1.1 head the exchange reads, and a respon
 
 from __future__ import annotations
 
+from proxycore.protocol.http2.client import H2Client, RequestUnsendable
 from proxycore.protocol.http2.connection import PREFACE, ErrorCode, H2Server, preface_state
 from proxycore.protocol.http2.events import (
     ConnectionEnded,
@@ -14,9 +15,11 @@ from proxycore.protocol.http2.events import (
     H2Event,
     PingReceived,
     RequestReceived,
+    ResponseReceived,
     SettingsReceived,
     StreamEnded,
     StreamReset,
+    TrailersReceived,
     WindowOpened,
 )
 from proxycore.protocol.http2.limits import H2Limits
@@ -27,15 +30,19 @@ __all__ = [
     "ConnectionEnded",
     "DataReceived",
     "ErrorCode",
+    "H2Client",
     "H2Event",
     "H2Limits",
     "H2Server",
     "MessageRefused",
     "PingReceived",
     "RequestReceived",
+    "RequestUnsendable",
+    "ResponseReceived",
     "SettingsReceived",
     "StreamEnded",
     "StreamReset",
+    "TrailersReceived",
     "WindowOpened",
     "preface_state",
     "request_head",

@@ -51,6 +51,7 @@ from proxycore.protocol.http2.events import (
     SettingsReceived,
     StreamEnded,
     StreamReset,
+    TrailersReceived,
     WindowOpened,
 )
 from proxycore.protocol.http2.limits import H2Limits, TokenBucket
@@ -301,8 +302,13 @@ class H2Server:
             events.append(
                 ConnectionEnded(int(event.error_code or 0), int(event.last_stream_id or 0))
             )
-        # TrailersReceived: request trailers are not relayed (the HTTP/1.1 upstream path
-        # re-frames bodies and drops trailers, docs/proxy.md); StreamEnded follows it.
+        elif isinstance(event, h2.events.TrailersReceived) and event.stream_id in self._live:
+            # Request trailers (RFC 9113 8.1): relayed to an HTTP/2 upstream
+            # (proxycore/protocol/trailers.py); StreamEnded follows.
+            fields = tuple(
+                (bytes(n), bytes(v)) for n, v in event.headers or [] if bytes(n)[:1] != b":"
+            )
+            events.append(TrailersReceived(event.stream_id, fields))
         # Informational, priority, ALTSVC, unknown frames and acknowledgements: nothing to do.
 
     def _request(
@@ -426,6 +432,18 @@ class H2Server:
         sent = self._send(lambda: self._h2.end_stream(stream_id))
         self._end(stream_id)
         return sent
+
+    def send_trailers(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A trailer section ending the response (RFC 9113 8.1); fields HTTP/2 forbids are
+        dropped. False when the stream is gone or has no final head yet."""
+        if stream_id not in self._live or stream_id not in self._responded:
+            return False
+        fields = [(n, v) for n, v in headers if _NAME_RE.fullmatch(n) and _VALUE_RE.fullmatch(v)]
+        fields = [(n, v) for n, v in fields if n not in _CONNECTION_SPECIFIC]
+        if not self._send(lambda: self._h2.send_headers(stream_id, fields, end_stream=True)):
+            return False
+        self._end(stream_id)
+        return True
 
     def stop_receiving(self, stream_id: int) -> None:
         """The response is complete and the request body is not wanted: RST_STREAM NO_ERROR

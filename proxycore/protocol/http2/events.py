@@ -15,9 +15,11 @@ __all__ = [
     "H2Event",
     "PingReceived",
     "RequestReceived",
+    "ResponseReceived",
     "SettingsReceived",
     "StreamEnded",
     "StreamReset",
+    "TrailersReceived",
     "WindowOpened",
 ]
 
@@ -55,6 +57,23 @@ class StreamEnded(msgspec.Struct, frozen=True):
     stream_id: int
 
 
+class TrailersReceived(msgspec.Struct, frozen=True):
+    """A trailer section (RFC 9113 8.1), pseudo-header fields taken out; END_STREAM follows
+    (a `StreamEnded`)."""
+
+    stream_id: int
+    headers: tuple[tuple[bytes, bytes], ...]
+
+
+class ResponseReceived(msgspec.Struct, frozen=True):
+    """The final response head from an upstream (client side, RFC 9113 8.3.2)."""
+
+    stream_id: int
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    ended: bool  # END_STREAM on the head: no body follows
+
+
 class StreamReset(msgspec.Struct, frozen=True):
     """The stream is gone: reset by the client (`by_peer`) or by the connection's limits."""
 
@@ -62,6 +81,9 @@ class StreamReset(msgspec.Struct, frozen=True):
     error_code: int
     by_peer: bool
     why: str = ""
+    # Client side: the upstream never processed the stream (REFUSED_STREAM, or above the
+    # last stream identifier of its GOAWAY, RFC 9113 8.7): it may be sent again.
+    refused: bool = False
 
 
 class WindowOpened(msgspec.Struct, frozen=True):
@@ -96,4 +118,6 @@ H2Event = (
     | SettingsReceived
     | PingReceived
     | ConnectionEnded
+    | TrailersReceived
+    | ResponseReceived
 )

@@ -125,6 +125,8 @@ def request_head(request: RequestReceived, gateway: str) -> bytes:
         lines.append(b"cookie: %s\r\n" % b"; ".join(cookies))
     if length is None and not request.ended:
         lines.append(b"transfer-encoding: chunked\r\n")
+    # An HTTP/2 client always takes trailers (RFC 9113 8.1): the exchange relays them.
+    lines.append(b"te: trailers\r\n")
     lines.append(b"connection: close\r\n\r\n")
     return b"".join(lines)
 

@@ -1,0 +1,591 @@
+"""HTTP/2 to upstreams: per crew and per host, one connection multiplexes that crew's streams.
+
+Theory of operation
+-------------------
+The dialer (proxycore/io/upstream.py) offers ALPN ["h2", "http/1.1"] on TLS; when the upstream
+picks h2 (or a cleartext upstream is reached with prior knowledge, h2c: docs/proxy.md says
+when), `H2Pool.adopt` takes the connection over: an `H2Upstream` owns its socket, one task
+reads it and feeds the sans-IO `H2Client` (proxycore/protocol/http2/client.py), another writes
+what h2 queued; every write goes through one lock.
+
+Each request is one `H2Stream`: the byte stream the forward path (proxycore/io/forward.py) uses
+where it uses a socket. It writes the HTTP/1.1 request the exchange built, which the stream
+reads back with the strict parser and sends as HEADERS and DATA (and trailers); the response's
+HEADERS, DATA and trailers come back as an HTTP/1.1 response (proxycore/protocol/http2/
+outbound.py) that forward.py reads as it reads any upstream. So every check of the HTTP/1.1
+path applies per stream unchanged: policy, SSRF checks, credential injection, header and
+response scrubbing, refusals, deadlines, and one terminal event per request. The stream is
+wrapped in an `UpstreamConnection` marked `multiplexed` (never pooled itself: its connection
+is).
+
+Sharing: connections are keyed (crew, tls, host, port), exactly as the HTTP/1.1 pool: a crew's
+streams never ride another crew's connection. A connection carries at most
+min(the upstream's SETTINGS_MAX_CONCURRENT_STREAMS, `h2_max_concurrent_streams`) streams; when
+all are busy a new connection is dialled, counted against the crew's upstream connections
+(`upstream_connections_per_crew`) like any other. A connection without streams for
+`upstream_idle_timeout` is closed by the reaper.
+
+Failure: a connection's failure (socket, protocol error, a hostile frame over a limit) ends its
+streams only, each as a broken upstream: 502 before a response byte, a cut response after
+(proxycore/io/forward.py). A GOAWAY from the upstream stops new streams on it; the streams it
+never processed (above its last stream identifier, or reset REFUSED_STREAM) are marked
+`reused`, so forward.py sends a replayable request once more on a fresh connection, as it does
+for a stale pooled HTTP/1.1 connection. Memory: a response body is acknowledged to the upstream
+only as forward.py reads it, so a stream holds at most its receive window; a request body
+waits for the upstream's send window at most `h2_stall_timeout`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import NoReturn, cast
+
+import trio
+
+from proxycore.errors import Http2ConnectionError, HttpProtocolError
+from proxycore.io.progress import RECV_SIZE
+from proxycore.io.upstream import PoolKey, UpstreamConnection
+from proxycore.protocol import http1
+from proxycore.protocol.http2.client import H2Client, RequestUnsendable
+from proxycore.protocol.http2.events import (
+    ConnectionEnded,
+    DataReceived,
+    H2Event,
+    ResponseReceived,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+    WindowOpened,
+)
+from proxycore.protocol.http2.limits import H2Limits
+from proxycore.protocol.http2.outbound import request_fields, response_head
+from proxycore.protocol.trailers import relayable, section
+
+__all__ = ["H2Pool", "H2Stream", "H2Upstream"]
+
+_CANCEL, _NO_ERROR, _PROTOCOL_ERROR = 0x8, 0x0, 0x1
+
+
+class H2Pool:
+    """The worker's upstream HTTP/2 connections, by (crew, tls, host, port)."""
+
+    def __init__(
+        self,
+        limits: H2Limits,
+        http_limits: http1.Limits,
+        *,
+        write_timeout: float,
+        idle_timeout: float,
+    ) -> None:
+        self.limits = limits
+        self.http_limits = http_limits
+        self.write_timeout = write_timeout
+        self.idle_timeout = idle_timeout
+        self.connections: dict[PoolKey, list[H2Upstream]] = {}
+        # Keys being dialled with h2 offered: others wait to share that connection rather
+        # than each dial one (concurrent first requests to a host).
+        self.dialing: dict[PoolKey, trio.Event] = {}
+        self.nursery: trio.Nursery | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.nursery is not None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the connections' tasks until cancelled (the worker stopping)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self.nursery = None
+            self.discard()
+
+    def stream(self, key: PoolKey) -> UpstreamConnection | None:
+        """A new stream on a connection of `key` with room for one, or None."""
+        for connection in self.connections.get(key, ()):
+            if connection.can_open():
+                return connection.new_stream()
+        return None
+
+    async def wait_for_stream(self, key: PoolKey) -> UpstreamConnection | None:
+        """A new stream for `key`, waiting for a dial in progress to end first; None: the
+        caller dials (and must call `dialed(key)` when done)."""
+        while True:
+            stream = self.stream(key)
+            if stream is not None:
+                return stream
+            pending = self.dialing.get(key)
+            if pending is None:
+                self.dialing[key] = trio.Event()
+                return None
+            await pending.wait()
+
+    def dialed(self, key: PoolKey) -> None:
+        pending = self.dialing.pop(key, None)
+        if pending is not None:
+            pending.set()
+
+    def adopt(self, link: UpstreamConnection) -> UpstreamConnection:
+        """Take over a connection that speaks HTTP/2; returns its first stream."""
+        assert self.nursery is not None
+        connection = H2Upstream(self, link)
+        self.connections.setdefault(link.key, []).append(connection)
+        self.nursery.start_soon(connection.run)
+        return connection.new_stream()
+
+    def remove(self, connection: H2Upstream) -> None:
+        group = self.connections.get(connection.key)
+        if group is not None and connection in group:
+            group.remove(connection)
+            if not group:
+                del self.connections[connection.key]
+
+    def reap_idle(self) -> int:
+        """Close connections without streams for longer than the idle timeout."""
+        deadline = time.monotonic() - self.idle_timeout
+        reaped = 0
+        for group in list(self.connections.values()):
+            for connection in list(group):
+                if not connection.streams and connection.idle_since < deadline:
+                    connection.shut("idle")
+                    reaped += 1
+        return reaped
+
+    def forget_crew(self, crew: str) -> None:
+        """A removed crew: its idle connections close, busy ones when their streams end."""
+        for group in list(self.connections.values()):
+            for connection in list(group):
+                if connection.key[0] == crew:
+                    connection.retire()
+
+    def discard(self) -> None:
+        for group in list(self.connections.values()):
+            for connection in list(group):
+                connection.shut("proxy stopping")
+        self.connections.clear()
+
+    def count(self, crew: str) -> int:
+        """Open HTTP/2 connections of `crew` (for tests and status)."""
+        return sum(len(g) for key, g in self.connections.items() if key[0] == crew)
+
+
+class H2Upstream:
+    """One HTTP/2 connection to an upstream (see the module docstring)."""
+
+    def __init__(self, pool: H2Pool, link: UpstreamConnection) -> None:
+        self.pool = pool
+        self.link = link
+        self.key = link.key
+        self.client = H2Client(pool.limits)
+        self.streams: dict[int, H2Stream] = {}
+        self.opening: set[H2Stream] = set()  # streams whose head is not sent yet
+        self.lock = trio.Lock()
+        self.dirty = trio.Event()
+        self.scope = trio.CancelScope()
+        self.broken: str | None = None
+        self.retiring = False
+        self.completed = 0  # streams that ended with a whole response
+        self.idle_since = time.monotonic()
+
+    def can_open(self) -> bool:
+        return self.broken is None and not self.retiring and self.client.can_open()
+
+    def new_stream(self) -> UpstreamConnection:
+        self.client.reserve()
+        stream = H2Stream(self)
+        wrapper = UpstreamConnection(
+            self.key,
+            self.link.address,
+            stream,
+            self.link.owner,
+            # A connection that completed an exchange may have gone stale since: a request
+            # that fails on it before any answer is sent once more (as for HTTP/1.1).
+            reused=self.completed > 0,
+            multiplexed=True,
+        )
+        stream.wrapper = wrapper
+        return wrapper
+
+    # -- the connection's life ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        why = "upstream closed the connection"
+        try:
+            with self.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write_loop)
+                    self.client.initiate()
+                    self.kick()
+                    why = await self._read_loop()
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._break(self.broken or why)
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                # A GOAWAY queued by a limit goes out if the upstream still reads.
+                data = self.client.data_to_send()
+                if data:
+                    try:
+                        await self.link.stream.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+            self.link.close()
+
+    async def _read_loop(self) -> str:
+        stream = self.link.stream
+        client = self.client
+        while True:
+            try:
+                data = await stream.receive(RECV_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                return f"upstream connection broken: {exc}"
+            if not data:
+                return "upstream closed the connection"
+            try:
+                events = client.receive_data(data, time.monotonic())
+            except Http2ConnectionError as exc:
+                self._dispatch(cast("list[H2Event]", exc.events))
+                return f"upstream h2 error ({exc.rule}): {exc}"
+            self._dispatch(events)
+            self.kick()
+            if client.closed:
+                return "upstream GOAWAY"
+            if self.retiring and not self.streams:
+                return "upstream GOAWAY" if client.last_stream_id is not None else "retired"
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self.dirty.wait()
+            self.dirty = trio.Event()
+            try:
+                await self.flush()
+            except trio.BrokenResourceError:
+                return
+
+    def kick(self) -> None:
+        self.dirty.set()
+
+    async def flush(self) -> None:
+        async with self.lock:
+            await self.send_locked()
+
+    async def send_locked(self) -> None:
+        """Write what h2 queued (the caller holds the lock); an upstream that reads nothing
+        for `write_timeout` ends the connection."""
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        data = self.client.data_to_send()
+        if not data:
+            return
+        # Shielded: a frame cut in the middle would break every stream of the connection.
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self.pool.write_timeout) as scope:
+                try:
+                    await self.link.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self.shut(f"upstream connection broken: {exc}")
+                    raise trio.BrokenResourceError(self.broken) from None
+        if scope.cancelled_caught:
+            self.shut("the upstream stopped reading")
+            raise trio.BrokenResourceError(self.broken)
+
+    def shut(self, why: str) -> None:
+        """End the connection now: its streams break, its tasks end, its socket closes."""
+        self._break(why)
+        self.scope.cancel()
+
+    def retire(self) -> None:
+        """No new streams; closes once the open ones end."""
+        self.retiring = True
+        self.pool.remove(self)
+        if not self.streams:
+            self.shut("retired")
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+        self.pool.remove(self)
+        for stream in list(self.streams.values()):
+            stream.break_off(why, refused=False)
+        self.streams.clear()
+        for stream in list(self.opening):
+            stream.break_off(why, refused=False)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _dispatch(self, events: list[H2Event]) -> None:
+        streams = self.streams
+        for event in events:
+            if isinstance(event, DataReceived):
+                stream = streams.get(event.stream_id)
+                if stream is None:
+                    self.client.acknowledge(event.stream_id, event.flow_length)
+                else:
+                    stream.on_data(event.data, event.flow_length, ended=event.ended)
+            elif isinstance(event, ResponseReceived):
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream.on_response(event)
+            elif isinstance(event, TrailersReceived):
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream.on_trailers(event.headers)
+            elif isinstance(event, StreamEnded):
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream.on_end()
+            elif isinstance(event, StreamReset):
+                stream = streams.pop(event.stream_id, None)
+                if stream is not None:
+                    why = event.why or f"upstream reset the stream (error {event.error_code})"
+                    stream.break_off(why, refused=event.refused)
+            elif isinstance(event, WindowOpened):
+                if event.stream_id == 0:
+                    for stream in streams.values():
+                        stream.wake_sender()
+                else:
+                    stream = streams.get(event.stream_id)
+                    if stream is not None:
+                        stream.wake_sender()
+            elif isinstance(event, ConnectionEnded):
+                # GOAWAY: no new streams here; the rest finish (or were reset above).
+                self.retiring = True
+                self.pool.remove(self)
+
+    def stream_done(self, stream: H2Stream, *, complete: bool) -> None:
+        if stream.stream_id:
+            self.streams.pop(stream.stream_id, None)
+        if complete:
+            self.completed += 1
+        if not self.streams and not self.opening:
+            self.idle_since = time.monotonic()
+            if self.retiring:
+                self.shut("retired")
+        self.kick()
+
+
+class H2Stream:
+    """One request on an upstream HTTP/2 connection, as the byte stream of one HTTP/1.1
+    exchange (see the module docstring). Not a socket."""
+
+    def __init__(self, connection: H2Upstream) -> None:
+        self.connection = connection
+        self.wrapper: UpstreamConnection | None = None
+        self.stream_id = 0
+        self._head = bytearray()
+        self._method = b""
+        self._request: http1.BodyReader | None = None
+        self._sent_end = False
+        self._inbox: collections.deque[tuple[bytes, int]] = collections.deque()
+        self._chunked = False
+        self._trailers: list[tuple[bytes, bytes]] = []
+        self._responded = False
+        self._eof = False
+        self._closed = False
+        self.broken: str | None = None
+        self._readable = trio.Event()
+        self._writable = trio.Event()
+        connection.opening.add(self)
+
+    def _opened(self) -> None:
+        self.connection.opening.discard(self)
+
+    # -- the request (written by forward.py) --------------------------------------------------
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        if self._closed:
+            raise trio.ClosedResourceError("stream closed")
+        limits = self.connection.pool.http_limits
+        try:
+            if self._request is None:
+                self._head += data
+                parsed = http1.parse_request_head(self._head, limits)
+                if parsed is None:
+                    return
+                head, used = parsed
+                data = bytes(self._head[used:])
+                self._head.clear()
+                self._method = head.method
+                self._request = http1.BodyReader.for_request(head, limits)
+                await self._open(request_fields(head, tls=self.connection.key[1]))
+                if self._request.done:
+                    return
+            piece = self._request.feed(bytes(data))
+        except HttpProtocolError as exc:
+            # Our own exchange wrote it: a bug, never the agent's doing.
+            self._fail_request(f"unreadable request: {exc}")
+        if self._request.done:
+            trailers = relayable(self._request.trailers, request=True)
+            await self._send_body(piece, end=not trailers)
+            if trailers:
+                await self._send_trailers(trailers)
+        elif piece:
+            await self._send_body(piece, end=False)
+
+    def _fail_request(self, why: str) -> NoReturn:
+        if self.wrapper is not None:
+            self.wrapper.reused = False  # never sent again: it would fail the same way
+        self.break_off(why, refused=False)
+        raise trio.BrokenResourceError(why)
+
+    async def _open(self, fields: list[tuple[bytes, bytes]]) -> None:
+        connection = self.connection
+        end = self._request is not None and self._request.done
+        async with connection.lock:
+            if connection.broken is not None:
+                raise trio.BrokenResourceError(self.broken or connection.broken)
+            try:
+                self.stream_id = connection.client.open_stream(fields, end=end)
+            except RequestUnsendable as exc:
+                connection.client.unreserve()
+                self._opened()
+                self._fail_request(f"the request cannot be sent over HTTP/2: {exc}")
+            self._opened()
+            connection.streams[self.stream_id] = self
+            if end:
+                self._sent_end = True
+            await connection.send_locked()
+
+    async def _send_body(self, piece: bytes, *, end: bool) -> None:
+        connection, client = self.connection, self.connection.client
+        view = memoryview(piece)
+        while view or (end and not self._sent_end):
+            async with connection.lock:
+                if self.broken is not None:
+                    raise trio.BrokenResourceError(self.broken)
+                window = client.send_window(self.stream_id)
+                if window or not view:
+                    take = min(len(view), window)
+                    last = end and take == len(view)
+                    if client.send_data(self.stream_id, view[:take], end=last) < 0:
+                        raise trio.BrokenResourceError(self.broken or "stream closed upstream")
+                    view = view[take:]
+                    if last:
+                        self._sent_end = True
+                    await connection.send_locked()
+                    continue
+                self._writable = trio.Event()
+            await self._wait_for_window()
+
+    async def _send_trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
+        connection = self.connection
+        async with connection.lock:
+            if self.broken is not None:
+                raise trio.BrokenResourceError(self.broken)
+            try:
+                sent = connection.client.send_trailers(self.stream_id, fields)
+            except RequestUnsendable as exc:
+                self._fail_request(f"request trailers cannot be sent: {exc}")
+            if not sent:
+                raise trio.BrokenResourceError(self.broken or "stream closed upstream")
+            self._sent_end = True
+            await connection.send_locked()
+
+    async def _wait_for_window(self) -> None:
+        """A zero send window: wait for the upstream to open it, at most `stall_timeout`."""
+        with trio.move_on_after(self.connection.pool.limits.stall_timeout) as scope:
+            await self._writable.wait()
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        if scope.cancelled_caught:
+            self.connection.client.reset(self.stream_id, _CANCEL)
+            self.connection.kick()
+            self._fail_request("send window stalled (the upstream never opened it)")
+
+    def wake_sender(self) -> None:
+        self._writable.set()
+
+    # -- the response (read by forward.py) ----------------------------------------------------
+
+    def on_response(self, event: ResponseReceived) -> None:
+        rendered = response_head(event, self._method)
+        if rendered is None:
+            self.connection.client.reset(self.stream_id, _PROTOCOL_ERROR)
+            self.connection.streams.pop(self.stream_id, None)
+            self.break_off("the upstream sent a malformed response head", refused=False)
+            return
+        head, self._chunked = rendered
+        self._responded = True
+        self._inbox.append((head, 0))
+        self._readable.set()
+        if event.ended:
+            self.on_end()
+
+    def on_data(self, data: bytes, flow: int, *, ended: bool) -> None:
+        if data and self._chunked:
+            data = http1.encode_chunk(data)
+        self._inbox.append((data, flow))
+        self._readable.set()
+        if ended:
+            self.on_end()
+
+    def on_trailers(self, fields: tuple[tuple[bytes, bytes], ...]) -> None:
+        self._trailers = relayable(fields, request=False)
+
+    def on_end(self) -> None:
+        if self._eof:
+            return
+        if self._chunked:
+            self._inbox.append((section(self._trailers) if self._trailers else http1.LAST_CHUNK, 0))
+        self._eof = True
+        self._readable.set()
+
+    def break_off(self, why: str, *, refused: bool) -> None:
+        if self.broken is None and not self._eof:
+            self.broken = why
+            if self.wrapper is not None and refused and not self._responded:
+                self.wrapper.reused = True  # never processed upstream: safe to send again
+        self._readable.set()
+        self._writable.set()
+
+    def try_receive(self, max_bytes: int) -> bytes | None:
+        inbox = self._inbox
+        while inbox:
+            data, flow = inbox.popleft()
+            if flow:
+                self.connection.client.acknowledge(self.stream_id, flow)
+                self.connection.kick()
+            if data:
+                return data
+        if self._eof:
+            return b""
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        return None
+
+    async def receive_after_wait(self, max_bytes: int) -> bytes:
+        await trio.lowlevel.checkpoint()
+        while True:
+            data = self.try_receive(max_bytes)
+            if data is not None:
+                return data
+            self._readable = trio.Event()
+            await self._readable.wait()
+
+    async def receive(self, max_bytes: int) -> bytes:
+        return await self.receive_after_wait(max_bytes)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The exchange is over: a response not read whole (or a request not sent whole) is
+        reset (CANCEL); after a whole response the stream is forgotten (RST_STREAM NO_ERROR if
+        the upstream has not closed it, RFC 9113 8.1)."""
+        if self._closed:
+            return
+        self._closed = True
+        connection = self.connection
+        complete = self._eof and not self._inbox and self.broken is None
+        if not self.stream_id:
+            if self in connection.opening:
+                connection.client.unreserve()
+                self._opened()
+        elif complete and self._sent_end:
+            connection.client.finish(self.stream_id)
+        else:
+            connection.client.reset(self.stream_id, _CANCEL if not complete else _NO_ERROR)
+        connection.stream_done(self, complete=complete)
