@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -487,24 +488,104 @@ def test_proxy_from_the_environment(
 # -- without CONNECT ------------------------------------------------------------------------------
 
 
-def test_without_connect_grpc_does_not_get_through(
+def direct_channel(proxy: RunningProxy, server: Server, host: str = "plain.test") -> grpc.Channel:
+    """A channel to the proxy itself naming the target in :authority (`grpc.default_authority`,
+    how an HTTP/2 request names a proxy's target): h2c with prior knowledge to the proxy, each
+    RPC one stream the proxy checks and forwards as a request of its own (no tunnel)."""
+    options = [*OPTIONS, ("grpc.default_authority", f"{host}:{server.port}")]
+    return grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=options)
+
+
+def forwarded(proxy: RunningProxy, count: int) -> list[Any]:
+    """The journal's terminal events of forwarded RPCs, once `count` have arrived."""
+    deadline = time.monotonic() + 10
+    while True:
+        events = [
+            e
+            for e in proxy.events()
+            if isinstance(e, RequestAllowed | RequestDenied | RequestRefused)
+            and e.route == "forward"
+        ]
+        if len(events) >= count or time.monotonic() > deadline:
+            return events
+        time.sleep(0.05)
+
+
+def test_per_rpc_unary_with_trailing_metadata(
     grpc_proxy: RunningProxy, h2c_upstream: Server
 ) -> None:
-    """grpcio cannot name its target in absolute-form (its :path is always
-    /package.Service/Method); pointed at the proxy itself with the target in :authority
-    (`grpc.default_authority`, how an HTTP/2 request names a proxy's target), it speaks h2c
-    with prior knowledge. Today that fails: the proxy's plain listener speaks HTTP/1.1 (505 to
-    the preface), and once it reads h2c it still dials upstreams over HTTP/1.1, which cannot
-    carry gRPC (502). Either way: UNAVAILABLE, one refusal journaled, the server never called.
-    When the proxy speaks h2 upstream, this becomes the path with per-RPC policy."""
-    token = f"direct-{h2c_upstream.port}"
-    options = [*OPTIONS, ("grpc.default_authority", f"plain.test:{h2c_upstream.port}")]
-    with grpc.insecure_channel(f"127.0.0.1:{grpc_proxy.port}", options=options) as channel:
+    token = f"per-rpc-unary-{h2c_upstream.port}"
+    with direct_channel(grpc_proxy, h2c_upstream) as channel:
+        call = method(channel, "unary_unary", "Unary")
+        reply, state = call.with_call(b"hello", timeout=10, metadata=(("token", token),))
+    assert reply == b"hello"
+    assert state.code() == grpc.StatusCode.OK
+    assert ("served-by", "echo") in state.trailing_metadata()
+    assert token in h2c_upstream.seen.served
+    [event] = forwarded(grpc_proxy, 1)
+    assert isinstance(event, RequestAllowed) and event.complete and event.status == 200
+    assert event.host == "plain.test" and event.port == h2c_upstream.port
+    assert not only(grpc_proxy.events(), TunnelOpened)
+
+
+def test_per_rpc_streaming_shapes(grpc_proxy: RunningProxy, h2c_upstream: Server) -> None:
+    with direct_channel(grpc_proxy, h2c_upstream) as channel:
+        count = method(channel, "unary_stream", "Count")
+        assert list(count(b"5", timeout=10)) == [b"0", b"1", b"2", b"3", b"4"]
+        digest = method(channel, "stream_unary", "Digest")
+        parts = [os.urandom(1000) for _ in range(20)]
+        reply = digest(iter(parts), timeout=10)
+        assert reply == b"20:" + hashlib.sha256(b"".join(parts)).hexdigest().encode()
+        chat = method(channel, "stream_stream", "Chat")
+        messages = [b"m%d" % i for i in range(10)]
+        assert list(chat(iter(messages), timeout=10)) == messages
+    events = forwarded(grpc_proxy, 3)
+    assert len(events) == 3 and all(isinstance(e, RequestAllowed) and e.complete for e in events)
+
+
+def test_per_rpc_status_and_details(grpc_proxy: RunningProxy, h2c_upstream: Server) -> None:
+    with direct_channel(grpc_proxy, h2c_upstream) as channel:
+        call = method(channel, "unary_unary", "Abort")
+        with pytest.raises(grpc.RpcError) as caught:
+            call(b"NOT_FOUND:no such thing", timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert caught.value.details() == "no such thing"
+    assert ("why", "asked-for") in caught.value.trailing_metadata()
+
+
+def test_per_rpc_policy_refusal_then_a_sibling_on_the_same_channel(
+    make_proxy, h2c_upstream: Server
+) -> None:
+    """Policy applies per RPC: on one channel (one HTTP/2 connection to the proxy), an RPC to a
+    host off the allowlist is a gRPC error (the proxy's 403 reads as PERMISSION_DENIED), the
+    connection lives on, and once the host is allowed (at run time) the next RPC on the same
+    channel goes through while a streaming RPC stays open beside it; one event per RPC."""
+    proxy = make_proxy(allow=["plain.test"], with_control=True)
+    token = f"sibling-{h2c_upstream.port}"
+    with direct_channel(proxy, h2c_upstream, host="other.test") as channel:
         call = method(channel, "unary_unary", "Unary")
         with pytest.raises(grpc.RpcError) as caught:
-            call(b"hello", timeout=10, metadata=(("token", token),))
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    events = grpc_proxy.events()
-    assert only(events, RequestRefused) and not only(events, RequestAllowed)
-    assert not only(events, TunnelOpened)
-    assert token not in h2c_upstream.seen.served
+            call(b"x", timeout=10, metadata=(("token", "denied"),))
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(10)
+            sock.connect(str(proxy.control_socket))
+            sock.sendall(b'{"type": "allow_host", "crew": "test", "host": "other.test"}\n')
+            assert b'"ok":true' in sock.recv(4096)
+        chat = method(channel, "stream_stream", "Chat")
+        outgoing: queue.Queue[bytes | None] = queue.Queue()
+        replies = chat(iter(outgoing.get, None), timeout=20)
+        outgoing.put(b"first")
+        assert next(replies) == b"first"
+        assert call(b"hello", timeout=10, metadata=(("token", token),)) == b"hello"
+        outgoing.put(b"second")
+        assert next(replies) == b"second"
+        outgoing.put(None)
+        assert list(replies) == []
+    assert token in h2c_upstream.seen.served and "denied" not in h2c_upstream.seen.served
+    events = forwarded(proxy, 3)
+    assert sorted(type(e).__name__ for e in events) == [
+        "RequestAllowed",
+        "RequestAllowed",
+        "RequestDenied",
+    ]

@@ -35,9 +35,11 @@ import trio
 from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
 from proxycore.io.progress import RECV_SIZE, Phase, Refused, upstream_refusal
 from proxycore.io.upstream import UpstreamConnection
+from proxycore.io.upstream_h2 import H2Stream
 from proxycore.protocol import http1
 from proxycore.protocol.events import CredentialInjected
 from proxycore.protocol.exchange import REPLAYABLE_BODY
+from proxycore.protocol.grpc import MessageScrubber, is_grpc
 from proxycore.protocol.plans import Forward, Refuse
 from proxycore.protocol.responses import WHOLE_BODY, BodyMode, ResponsePlan, plan_response
 from proxycore.protocol.scrubbing import MarkerCount, redactions
@@ -63,6 +65,8 @@ async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.Reque
     if head.body_kind is http1.BodyKind.NONE:
         # The common case, kept to as few calls as possible: no body to read or hold.
         upstream, response = await _send_replayable(conn, plan, head, None)
+    elif head.body_kind is http1.BodyKind.CHUNKED and _is_grpc(head):
+        return await _serve_duplex(conn, plan, head)
     else:
         upstream, response = await _send_with_body(conn, plan, head)
     return await relay_response(conn, plan, head, upstream, response)
@@ -250,8 +254,12 @@ def _speaks_h2(
         return alpn
     if plan.host in h2c_hosts or f"{plan.host}:{plan.port}" in h2c_hosts:
         return True
-    content_type = head.get(b"content-type")
-    return content_type is not None and content_type[:16].lower() == b"application/grpc"
+    return _is_grpc(head)
+
+
+def _is_grpc(head: http1.RequestHead) -> bool:
+    """A gRPC request (its content-type is application/grpc, +proto, +json...)."""
+    return is_grpc(head.get(b"content-type"))
 
 
 async def _send_upstream(conn: ClientConnection, upstream: UpstreamConnection, data: bytes) -> None:
@@ -317,10 +325,12 @@ async def _send_streaming(
     head: http1.RequestHead,
     reader: http1.BodyReader,
     prefix: bytes,
+    upstream: UpstreamConnection | None = None,
 ) -> tuple[UpstreamConnection, http1.ResponseHead]:
     limit = conn.limits.max_body_bytes
     chunked = head.body_kind is http1.BodyKind.CHUNKED
-    upstream = await _open(conn, plan, head)
+    if upstream is None:
+        upstream = await _open(conn, plan, head)
     first = plan.upstream_head(None if chunked else head.content_length, chunked=chunked)
     sent = len(prefix)
     progress = conn.progress
@@ -358,6 +368,78 @@ async def _send_streaming(
     except _UpstreamBroken:
         raise Refused(_upstream_closed(plan)) from None
     return upstream, response
+
+
+async def _serve_duplex(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:
+    """A gRPC request: its body is a stream of messages the server may answer one by one
+    (bidirectional streaming), so on an HTTP/2 upstream the body goes up as it comes while the
+    response comes down (RFC 9113 8.1 lets either side stream while the other does); never
+    held back to be replayable. On an HTTP/1.1 upstream: the streaming path as for any body."""
+    reader = http1.BodyReader.for_request(head, conn.runtime.http_limits)
+    if plan.expect_continue:
+        await conn.stream.send_all(CONTINUE)
+    upstream = await _open(conn, plan, head)
+    if not isinstance(upstream.stream, H2Stream):
+        upstream_, response = await _send_streaming(conn, plan, head, reader, b"", upstream)
+        return await relay_response(conn, plan, head, upstream_, response)
+    try:
+        await _send_upstream(conn, upstream, plan.upstream_head(None, chunked=True))
+    except _UpstreamBroken:
+        raise Refused(_upstream_closed(plan)) from None
+    progress = conn.progress
+    assert progress is not None
+    refused: Refused | None = None
+    keep = False
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_pump_body, conn, upstream.stream, reader)
+        try:
+            try:
+                response = await _read_response_head(
+                    conn, plan, upstream, head.method, time.monotonic() + conn.limits.read_timeout
+                )
+            except _UpstreamBroken:
+                raise Refused(_upstream_closed(plan)) from None
+            keep = await relay_response(conn, plan, head, upstream, response)
+        except Refused as exc:
+            refused = exc  # raised outside the nursery (never wrapped in a group)
+        nursery.cancel_scope.cancel()
+    if refused is not None:
+        raise refused
+    # An HTTP/1.1 agent whose body was not read to its end cannot send another request.
+    return keep and progress.body_consumed
+
+
+async def _pump_body(conn: ClientConnection, stream: H2Stream, reader: http1.BodyReader) -> None:
+    """The agent's request body to the upstream stream as it arrives (within `max_body_bytes`);
+    a failure ends the upstream stream (the response side then sees it), never more."""
+    progress = conn.progress
+    assert progress is not None
+    limit = conn.limits.max_body_bytes
+    sent = 0
+    try:
+        while not reader.done:
+            if conn.buffer:
+                data = bytes(conn.buffer)
+                conn.buffer.clear()
+            else:
+                data = await conn.stream.receive(RECV_SIZE)
+            if not data:
+                reader.feed_eof()
+            piece = reader.feed(data)
+            sent += len(piece)
+            progress.bytes_up = sent
+            if sent > limit:
+                raise HttpProtocolError(f"request body over {limit} bytes")
+            if piece:
+                await stream.send_all(http1.encode_chunk(piece))
+        trailers = relayable(reader.trailers, request=True)
+        await stream.send_all(section(trailers) if trailers else http1.LAST_CHUNK)
+        conn.buffer[:0] = reader.take_leftover()
+        progress.body_consumed = True
+    except HttpProtocolError as exc:
+        stream.abort(f"request body: {exc}")
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        stream.abort(f"request body: {exc}")
 
 
 def _upstream_closed(plan: Forward) -> Refuse:
@@ -450,7 +532,14 @@ async def _relay_stream(
 ) -> bool:
     progress = conn.progress
     assert progress is not None
-    scrub = conn.runtime.scrubbers.current.stream()
+    scrubber = conn.runtime.scrubbers.current
+    scrub = scrubber.stream()
+    # gRPC: each message scrubbed whole as it completes, never held back (grpc.py).
+    messages = (
+        MessageScrubber(scrubber, conn.limits.max_body_bytes)
+        if is_grpc(response.get(b"content-type"))
+        else None
+    )
     # Markers in and out: their difference is what the scrubber redacted.
     markers_in, markers_out = MarkerCount(), MarkerCount()
     reader = http1.BodyReader.for_response(response, conn.runtime.http_limits)
@@ -477,9 +566,9 @@ async def _relay_stream(
                 markers_in.feed(piece)
                 # An SSE event comes out with the read that completed it, unless its last
                 # bytes could begin a secret (native/scrub_reference.py: the hold-back rule).
-                piece = scrub.feed(piece)
+                piece = scrub.feed(piece) if messages is None else messages.feed(piece)
             if reader.done:
-                piece += scrub.flush()
+                piece += scrub.flush() if messages is None else messages.flush()
             if piece:
                 markers_out.feed(piece)
                 progress.bytes_down += len(piece)

@@ -499,6 +499,15 @@ class H2Stream:
     def wake_sender(self) -> None:
         self._writable.set()
 
+    def abort(self, why: str) -> None:
+        """The request cannot be completed (its body failed): reset the stream; the response
+        side reads the failure."""
+        if self.stream_id:
+            self.connection.client.reset(self.stream_id, _CANCEL)
+            self.connection.streams.pop(self.stream_id, None)
+            self.connection.kick()
+        self.break_off(why, refused=False)
+
     # -- the response (read by forward.py) ----------------------------------------------------
 
     def on_response(self, event: ResponseReceived) -> None:
