@@ -9,20 +9,34 @@ never share an upstream connection while one crew's requests do."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 import httpx
 import pytest
 import trio
 import trustme
+from hyperframe.frame import (
+    ContinuationFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    SettingsFrame,
+)
 
-from proxycore.protocol.events import RequestAllowed
+from proxycore.protocol.events import RequestAllowed, RequestRefused
 from tests.conftest import (
     PROVIDER_NAMES,
     REAL_KEYS,
@@ -300,3 +314,263 @@ def test_h2c_upstream_by_config(start, nginx: Nginx) -> None:
         f"http://other.test:{nginx.h2c}/echo",
     )
     assert refused.stdout in ("400", "502"), refused.stdout
+
+
+# -- a raw h2c server: trailers on demand, and what no well-behaved server sends ----------------
+
+
+class RawH2Server:
+    """h2c on loopback, one thread per connection, the h2 package's server side for the
+    ordinary frames and raw frames (hyperframe) for the hostile ones. What it serves depends on
+    the path (see `respond`); `connections` counts accepted connections."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        self.goaway_sent = False
+        self.request_trailers: list[list[tuple[bytes, bytes]]] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        conn = h2.connection.H2Connection(config)
+        conn.initiate_connection()
+        sock.sendall(conn.data_to_send())
+        paths: dict[int, bytes] = {}
+        trailers: dict[int, list[tuple[bytes, bytes]]] = {}
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    return
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.RequestReceived):
+                        paths[event.stream_id] = dict(event.headers)[b":path"]
+                    elif isinstance(event, h2.events.DataReceived):
+                        conn.acknowledge_received_data(
+                            event.flow_controlled_length, event.stream_id
+                        )
+                    elif isinstance(event, h2.events.TrailersReceived):
+                        trailers[event.stream_id] = list(event.headers)
+                    elif isinstance(event, h2.events.StreamEnded):
+                        self.respond(sock, conn, event.stream_id, paths, trailers)
+                sock.sendall(conn.data_to_send())
+        except Exception as exc:  # recorded: the tests assert there was none
+            self.errors.append(repr(exc))
+        finally:
+            sock.close()
+
+    def respond(
+        self,
+        sock: socket.socket,
+        conn: h2.connection.H2Connection,
+        stream_id: int,
+        paths: dict[int, bytes],
+        trailers: dict[int, list[tuple[bytes, bytes]]],
+    ) -> None:
+        path = paths.get(stream_id, b"")
+        ok = [(b":status", b"200"), (b"content-type", b"text/plain")]
+        if path == b"/goaway" and not self.goaway_sent:
+            # RFC 9113 6.8: this stream (and any above) was never processed.
+            self.goaway_sent = True
+            sock.sendall(conn.data_to_send() + GoAwayFrame(0, last_stream_id=0).serialize())
+        elif path == b"/reset":
+            conn.reset_stream(stream_id, 2)
+        elif path == b"/settings-flood":
+            sock.sendall(conn.data_to_send() + SettingsFrame(0).serialize() * 200)
+        elif path == b"/ping-flood":
+            frame = PingFrame(0, opaque_data=b"12345678").serialize()
+            sock.sendall(conn.data_to_send() + frame * 200)
+        elif path == b"/big-headers":
+            conn.send_headers(stream_id, [*ok, (b"x-big", b"a" * 100_000)], end_stream=True)
+        elif path == b"/continuation":
+            frames = HeadersFrame(stream_id, data=b"\x82").serialize()
+            frames += b"".join(
+                ContinuationFrame(stream_id, data=b"\x82").serialize() for _ in range(40)
+            )
+            sock.sendall(conn.data_to_send() + frames)
+        elif path == b"/trailers":
+            conn.send_headers(stream_id, ok)
+            conn.send_data(stream_id, b"body")
+            leak = REAL_KEYS["anthropic"].encode()
+            conn.send_headers(
+                stream_id, [(b"x-checksum", b"abc"), (b"x-leak", leak)], end_stream=True
+            )
+        elif path == b"/echo-trailers":
+            got = trailers.get(stream_id, [])
+            self.request_trailers.append(got)
+            body = json.dumps([[n.decode(), v.decode()] for n, v in got]).encode()
+            conn.send_headers(stream_id, ok)
+            conn.send_data(stream_id, body, end_stream=True)
+        else:
+            conn.send_headers(stream_id, ok)
+            conn.send_data(stream_id, b"ok:" + path, end_stream=True)
+
+
+@pytest.fixture
+def raw() -> Iterator[RawH2Server]:
+    server = RawH2Server()
+    yield server
+    server.close()
+
+
+def h1_exchange(proxy: RunningProxy, request: bytes, gateway: str = "127.0.0.1") -> bytes:
+    """One HTTP/1.1 request on a raw socket; the whole answer (the proxy closes after it)."""
+    with socket.create_connection((gateway, proxy.port), timeout=20) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def test_response_trailers_to_http1_agents_that_take_them(start, nginx: Nginx, raw) -> None:
+    proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]')
+    target = f"http://plain.test:{raw.port}/trailers"
+    with_te = h1_exchange(
+        proxy,
+        f"GET {target} HTTP/1.1\r\nHost: plain.test\r\nTE: trailers\r\n"
+        "Connection: close\r\n\r\n".encode(),
+    )
+    head, _, body = with_te.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and b"transfer-encoding: chunked" in head.lower()
+    data, trailer_section = dechunk(body)
+    assert data == b"body"
+    assert b"x-checksum: abc\r\n" in trailer_section
+    # The credential the upstream echoed in a trailer is scrubbed like a response field.
+    assert REAL_KEYS["anthropic"].encode() not in body and b"x-leak: [REDACTED" in body
+    without = h1_exchange(
+        proxy, f"GET {target} HTTP/1.1\r\nHost: plain.test\r\nConnection: close\r\n\r\n".encode()
+    )
+    # Dropped (RFC 9110 6.5.1).
+    assert dechunk(without.partition(b"\r\n\r\n")[2]) == (b"body", b"")
+
+
+def dechunk(body: bytes) -> tuple[bytes, bytes]:
+    """A chunked body's data and its trailer section."""
+    data = b""
+    while True:
+        line, _, body = body.partition(b"\r\n")
+        size = int(line, 16)
+        if size == 0:
+            return data, body[: -len(b"\r\n")]
+        data += body[:size]
+        body = body[size + 2 :]
+
+
+def test_trailers_both_ways_for_an_h2_agent(start, nginx: Nginx, raw) -> None:
+    proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]')
+    authority = f"plain.test:{raw.port}".encode()
+    with H2Agent(proxy) as agent:
+        # Response trailers: a HEADERS frame with END_STREAM, scrubbed.
+        agent.h2.send_headers(1, agent.request(authority, b"/trailers"), end_stream=True)
+        agent.flush()
+        status, body, trailers = agent.response(1)
+        assert (status, body) == (200, b"body")
+        assert trailers[b"x-checksum"] == b"abc"
+        assert REAL_KEYS["anthropic"].encode() not in trailers[b"x-leak"]
+        # Request trailers reach the h2 upstream; credential fields never ride them.
+        agent.h2.send_headers(3, agent.request(authority, b"/echo-trailers", b"POST"))
+        agent.h2.send_data(3, b"payload")
+        agent.h2.send_headers(
+            3, [(b"x-digest", b"sha-256=1"), (b"authorization", b"agent-token")], end_stream=True
+        )
+        agent.flush()
+        status, body, _ = agent.response(3)
+        assert status == 200
+        assert json.loads(body) == [["x-digest", "sha-256=1"]]
+
+
+class H2Agent:
+    """An h2c agent on a raw socket that reports trailers (tests/h2_client.py does not)."""
+
+    def __init__(self, proxy: RunningProxy) -> None:
+        self.sock = socket.create_connection((proxy.host, proxy.port), timeout=20)
+        config = h2.config.H2Configuration(client_side=True, header_encoding=None)
+        self.h2 = h2.connection.H2Connection(config)
+        self.h2.initiate_connection()
+        self.flush()
+
+    def __enter__(self) -> H2Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def request(
+        self, authority: bytes, path: bytes, method: bytes = b"GET"
+    ) -> list[tuple[bytes, bytes]]:
+        return [
+            (b":method", method),
+            (b":scheme", b"http"),
+            (b":authority", authority),
+            (b":path", path),
+        ]
+
+    def flush(self) -> None:
+        self.sock.sendall(self.h2.data_to_send())
+
+    def response(self, stream_id: int) -> tuple[int, bytes, dict[bytes, bytes]]:
+        status, body, trailers = 0, bytearray(), {}
+        while True:
+            data = self.sock.recv(65536)
+            assert data, "the proxy closed the connection"
+            for event in self.h2.receive_data(data):
+                if getattr(event, "stream_id", None) != stream_id:
+                    continue
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = int(dict(event.headers)[b":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                    self.h2.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                elif isinstance(event, h2.events.TrailersReceived):
+                    trailers = dict(event.headers)
+                elif isinstance(event, h2.events.StreamEnded):
+                    self.flush()
+                    return status, bytes(body), trailers
+                elif isinstance(event, h2.events.StreamReset):
+                    raise ConnectionError(f"stream reset: {event.error_code}")
+            self.flush()
+
+
+def test_goaway_refused_stream_is_sent_again_on_a_fresh_connection(start, nginx, raw) -> None:
+    proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]')
+    done = curl("-x", proxy.url, f"http://plain.test:{raw.port}/goaway")
+    assert done.stdout == "ok:/goaway", (done.stdout, done.stderr)
+    assert raw.connections == 2
+
+
+@pytest.mark.parametrize(
+    "path", ["/reset", "/settings-flood", "/ping-flood", "/big-headers", "/continuation"]
+)
+def test_hostile_upstream_ends_its_stream_only(start, nginx: Nginx, raw, path: str) -> None:
+    """A reset, a SETTINGS or PING flood, an oversized header block, a CONTINUATION flood:
+    the request gets a readable 502, the worker lives on, and the next request (same crew,
+    other crew) is served."""
+    proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]')
+    done = curl("-x", proxy.url, "-w", "\\n%{http_code}", f"http://plain.test:{raw.port}{path}")
+    body, _, status = done.stdout.rpartition("\n")
+    assert status == "502", done.stdout
+    assert json.loads(body)["error"] == "upstream_failed"
+    for gateway in ("127.0.0.1", "127.0.0.2"):
+        again = curl("-x", f"http://{gateway}:{proxy.port}", f"http://plain.test:{raw.port}/ok")
+        assert again.stdout == "ok:/ok", (gateway, again.stdout, again.stderr)
+    refused = [e for e in proxy.events() if isinstance(e, RequestRefused)]
+    assert len(refused) == 1 and refused[0].status == 502
+    assert proxy.process.poll() is None
