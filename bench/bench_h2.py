@@ -10,8 +10,9 @@ core 1, as in bench_forward.py. Subjects, per leg:
 
 - direct (leg h2c only): h2load -> nginx h2c, no proxy: the ceiling of the load side.
 - ours: one worker, the production configuration (common.ours_config), as a forward proxy:
-  `:authority: upstream.test:PORT`, resolved by its split-horizon table. Before the proxy speaks
-  h2c, the sanity request is refused and the rows say so ("ours: no h2c yet").
+  `:authority: upstream.test:PORT`, resolved by its split-horizon table; the origin's h2c port
+  is reached over HTTP/2 with prior knowledge (`[upstream] h2c = ["upstream.test:PORT"]`,
+  docs/proxy.md "HTTP/2 to upstreams"), its HTTP/1.1 port over HTTP/1.1.
 - nghttpx (reverse proxy, `no-tls` front end, so h2c with prior knowledge; backend HTTP/1.1, or
   `proto=h2` for h2c) and haproxy (`bind ... proto h2`; `server ... proto h2` for h2c). Neither
   is a forward proxy that dials the origin a request names (nghttpx's `--http2-proxy` forwards to
@@ -149,11 +150,18 @@ def start_haproxy(ws: Workspace, origin: Origin, leg: str) -> Service:
     return common._started(ws, service)
 
 
-def start_ours(ws: Workspace, args: argparse.Namespace, tag: str = "ours") -> Service:
+def start_ours(
+    ws: Workspace, args: argparse.Namespace, origin: Origin, tag: str = "ours"
+) -> Service:
     limits = {"max_connections_per_crew": args.connections + 16}
-    if "upstream_connections_per_crew" in (args.source / "proxycore" / "config.py").read_text():
+    config = (args.source / "proxycore" / "config.py").read_text()
+    if "upstream_connections_per_crew" in config:
         limits["upstream_connections_per_crew"] = args.connections + 16
-    return common.start_ours(ws, source=args.source, limits=limits, tag=tag)
+    # The origin's h2c port is reached with prior knowledge (its HTTP/1.1 port as before).
+    upstream = []
+    if "h2c: tuple[str, ...]" in config:
+        upstream.append(f'h2c = ["{common.UPSTREAM_HOST}:{origin.ports["h2c"]}"]')
+    return common.start_ours(ws, source=args.source, limits=limits, tag=tag, upstream=upstream)
 
 
 def authority_for(name: str, origin: Origin, leg: str) -> str:
@@ -177,7 +185,7 @@ def start_subjects(
 ) -> tuple[list[Subject], dict[str, str]]:
     subjects: list[Subject] = []
     unavailable: dict[str, str] = {}
-    for leg in LEGS:
+    for leg in args.legs:
         starters: list[tuple[str, Callable[[], Service | None]]] = []
         if leg == "h2c" and args.direct:
             starters.append(("direct", lambda: None))
@@ -354,7 +362,7 @@ def measure_memory(
 def memory_suite(ws: Workspace, args: argparse.Namespace, origin: Origin) -> list[dict[str, Any]]:
     starts: list[tuple[str, Callable[[], Service]]] = []
     if "ours" in args.proxy:
-        starts.append(("ours", lambda: start_ours(ws, args, tag="ours-memory")))
+        starts.append(("ours", lambda: start_ours(ws, args, origin, tag="ours-memory")))
     if "nghttpx" in args.proxy:
         starts.append(("nghttpx", lambda: start_nghttpx(ws, origin, "h1")))
     if "haproxy" in args.proxy:
@@ -385,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         default="1x64,10x10,50x1",
         help="comma-separated CxM: h2load -c C -m M (default 1x64,10x10,50x1)",
     )
+    parser.add_argument(
+        "--legs", default=",".join(LEGS), help="comma-separated upstream legs: h1, h2c (both)"
+    )
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds (2)")
     parser.add_argument("--warmup", type=float, default=1.0, help="h2load --warm-up-time (1)")
     parser.add_argument(
@@ -397,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.proxy:
         if name not in ("ours", *PEERS):
             parser.error(f"unknown subject {name!r}")
+    args.legs = [leg for leg in args.legs.split(",") if leg]
+    if not args.legs or any(leg not in LEGS for leg in args.legs):
+        parser.error(f"legs are some of {', '.join(LEGS)}")
     args.levels = [level for level in args.levels.split(",") if level]
     for level in args.levels:
         if not all(part.isdigit() for part in level.split("x")) or level.count("x") != 1:
@@ -414,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_h1: dict[str, Any] = {"service": None, "runs": []}
         ours: Service | None = None
         if "ours" in args.proxy:
-            ours = start_ours(ws, args)
+            ours = start_ours(ws, args, origin)
             common.check_forward(ours, origin.ports["h1"])
             uri, authority = common.forward_target("ours", origin.ports["h1"])
             ours_h1.update(service=ours, script=common.wrk_script(ws, uri, authority))

@@ -291,7 +291,9 @@ def ours_config(
     allow: Sequence[str] = (UPSTREAM_HOST,),
     resolve: dict[str, str] | None = None,
     limits: dict[str, int] | None = None,
+    upstream: Sequence[str] = (),
 ) -> str:
+    """`upstream`: more lines for the [upstream] table (e.g. `h2c = [...]`)."""
     lines = ["[listen]", f"port = {port}", ""]
     if limits:
         lines += ["[limits]", *(f"{key} = {value}" for key, value in limits.items()), ""]
@@ -314,6 +316,7 @@ def ours_config(
         "# The upstream is on loopback, which the SSRF guard refuses unless allowed explicitly.",
         'ssrf_allow = ["127.0.0.1/32"]',
         f"resolve = {{ {resolve_items} }}",
+        *upstream,
         "",
         "[events]",
         f'path = "{events_path}"',
@@ -332,6 +335,7 @@ def start_ours(
     allow: Sequence[str] = (UPSTREAM_HOST,),
     limits: dict[str, int] | None = None,
     tag: str = "ours",
+    upstream: Sequence[str] = (),
 ) -> Service:
     """Our proxy: restricted policy, SSRF guard, events to a JSON-lines file (as in production)."""
     root = ws.subdir(tag)
@@ -339,7 +343,14 @@ def start_ours(
     events = root / "events.jsonl"
     conf = root / "proxy.toml"
     conf.write_text(
-        ours_config(port=port, events_path=events, crews=crews, allow=allow, limits=limits)
+        ours_config(
+            port=port,
+            events_path=events,
+            crews=crews,
+            allow=allow,
+            limits=limits,
+            upstream=upstream,
+        )
     )
     argv = pinned(
         core,
