@@ -21,6 +21,11 @@ and on idle ones; idle connections older than `upstream_idle_timeout` are reaped
 crew that touches many hosts cannot pin descriptors. A pooled connection was checked when it was
 opened, so its reuse needs no new resolution. TLS to upstreams always verifies the certificate
 against the host name (credentials only ever travel on such connections).
+
+HTTP/2: with `offer_h2`, TLS offers ALPN ["h2", "http/1.1"] and `alpn` says what the upstream
+chose; a connection that speaks h2 is handed to proxycore/io/upstream_h2.py, which pools it
+per (crew, tls, host, port) the same way (it stays counted in `open`), and each request on it
+is an `UpstreamConnection` marked `multiplexed`: never pooled itself, not counted again.
 """
 
 from __future__ import annotations
