@@ -24,6 +24,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 import httpx
 import pytest
 import trio
@@ -143,7 +144,9 @@ def start(tmp_path: Path, ca_file: str) -> Iterator[Callable[..., RunningProxy]]
     `provider_port` (nginx, to see what is injected), the upstream config `upstream` added."""
     started: list[RunningProxy] = []
 
-    def make(provider_port: int, upstream: str = "", **kwargs: object) -> RunningProxy:
+    def make(
+        provider_port: int, upstream: str = "", limits: str = "", **kwargs: object
+    ) -> RunningProxy:
         port = free_port()
         sub = tmp_path / f"p{len(started)}"
         sub.mkdir()
@@ -161,7 +164,8 @@ gateway = "127.0.0.2"
 mode = "restricted"
 allow = ["plain.test", "other.test"]
 ssrf_allow = ["127.0.0.0/8"]
-""",
+"""
+            + (f"\n[limits]\n{limits}\n" if limits else ""),
             **kwargs,  # type: ignore[arg-type]
         )
         if upstream:
@@ -324,10 +328,12 @@ class RawH2Server:
     ordinary frames and raw frames (hyperframe) for the hostile ones. What it serves depends on
     the path (see `respond`); `connections` counts accepted connections."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_streams: int | None = None) -> None:
+        self.max_streams = max_streams
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.connections = 0
+        self.closed = 0  # connections the proxy closed (or that ended)
         self.goaway_sent = False
         self.request_trailers: list[list[tuple[bytes, bytes]]] = []
         self.errors: list[str] = []
@@ -351,6 +357,8 @@ class RawH2Server:
         config = h2.config.H2Configuration(client_side=False, header_encoding=None)
         conn = h2.connection.H2Connection(config)
         conn.initiate_connection()
+        if self.max_streams is not None:
+            conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 1})
         sock.sendall(conn.data_to_send())
         paths: dict[int, bytes] = {}
         trailers: dict[int, list[tuple[bytes, bytes]]] = {}
@@ -375,6 +383,8 @@ class RawH2Server:
             self.errors.append(repr(exc))
         finally:
             sock.close()
+            with self.lock:
+                self.closed += 1
 
     def respond(
         self,
@@ -405,6 +415,10 @@ class RawH2Server:
                 ContinuationFrame(stream_id, data=b"\x82").serialize() for _ in range(40)
             )
             sock.sendall(conn.data_to_send() + frames)
+        elif path == b"/slow":
+            time.sleep(1.0)  # this connection's thread: its only stream waits
+            conn.send_headers(stream_id, ok)
+            conn.send_data(stream_id, b"slow", end_stream=True)
         elif path == b"/trailers":
             conn.send_headers(stream_id, ok)
             conn.send_data(stream_id, b"body")
@@ -574,3 +588,57 @@ def test_hostile_upstream_ends_its_stream_only(start, nginx: Nginx, raw, path: s
     refused = [e for e in proxy.events() if isinstance(e, RequestRefused)]
     assert len(refused) == 1 and refused[0].status == 502
     assert proxy.process.poll() is None
+
+
+def test_streams_per_connection_and_connections_per_crew_are_bounded(start, nginx: Nginx) -> None:
+    """An upstream that allows one stream per connection: a second concurrent request of the
+    crew opens a second connection (its streams never exceed the upstream's
+    SETTINGS_MAX_CONCURRENT_STREAMS); with `upstream_connections_per_crew = 1` it is refused
+    503 instead, as an HTTP/1.1 dial over the crew's share is."""
+    server = RawH2Server(max_streams=1)
+    try:
+        for cap, expected in ((None, ["200", "200"]), (1, ["200", "503"])):
+            proxy = start(
+                nginx.tls_h2,
+                upstream='h2c = ["plain.test"]',
+                limits=f"upstream_connections_per_crew = {cap}" if cap else "",
+            )
+            before = server.connections
+            codes: list[str] = []
+
+            def get(codes: list[str] = codes, port: int = proxy.port) -> None:
+                done = curl(
+                    "-x",
+                    f"http://127.0.0.1:{port}",
+                    "-o",
+                    "/dev/null",
+                    "-w",
+                    "%{http_code}",
+                    f"http://plain.test:{server.port}/slow",
+                )
+                codes.append(done.stdout)
+
+            first = threading.Thread(target=get)
+            first.start()
+            time.sleep(0.4)  # the upstream's SETTINGS (one stream) have arrived
+            get()
+            first.join()
+            assert sorted(codes) == expected, codes
+            assert server.connections - before == (2 if cap is None else 1)
+            assert not server.errors
+    finally:
+        server.close()
+
+
+def test_idle_upstream_h2_connections_are_reaped(start, nginx: Nginx, raw) -> None:
+    proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]', limits="upstream_idle_timeout = 1")
+    for _ in range(2):
+        done = curl("-x", proxy.url, f"http://plain.test:{raw.port}/ok")
+        assert done.stdout == "ok:/ok"
+    assert raw.connections == 1  # the second request rode the first one's connection
+    deadline = time.monotonic() + 10
+    while raw.closed < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert raw.closed == 1
+    done = curl("-x", proxy.url, f"http://plain.test:{raw.port}/ok")
+    assert done.stdout == "ok:/ok" and raw.connections == 2

@@ -149,7 +149,8 @@ class H2Pool:
         reaped = 0
         for group in list(self.connections.values()):
             for connection in list(group):
-                if not connection.streams and connection.idle_since < deadline:
+                idle = not connection.streams and not connection.opening
+                if idle and connection.idle_since < deadline:
                     connection.shut("idle")
                     reaped += 1
         return reaped
@@ -311,7 +312,7 @@ class H2Upstream:
             stream.break_off(why, refused=False)
         self.streams.clear()
         for stream in list(self.opening):
-            stream.break_off(why, refused=False)
+            stream.break_off(why, refused=True)  # never sent: safe to send elsewhere
 
     # -- events -------------------------------------------------------------------------------
 
@@ -436,8 +437,13 @@ class H2Stream:
         connection = self.connection
         end = self._request is not None and self._request.done
         async with connection.lock:
-            if connection.broken is not None:
-                raise trio.BrokenResourceError(self.broken or connection.broken)
+            if connection.broken is not None or not connection.client.can_open_now():
+                # The connection went away (or a GOAWAY came) before this head was sent: the
+                # request was never seen upstream and may go on another connection.
+                self._opened()
+                connection.client.unreserve()
+                self.break_off(connection.broken or "upstream GOAWAY", refused=True)
+                raise trio.BrokenResourceError(self.broken)
             try:
                 self.stream_id = connection.client.open_stream(fields, end=end)
             except RequestUnsendable as exc:

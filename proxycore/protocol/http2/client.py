@@ -161,6 +161,10 @@ class H2Client:
             return False
         return self.open_streams < self.max_streams
 
+    def can_open_now(self) -> bool:
+        """Whether a stream already reserved may be opened (not closed, no GOAWAY)."""
+        return not self.closed and self.last_stream_id is None
+
     def reserve(self) -> None:
         """Count a stream that will be opened shortly (its head is being written)."""
         self._reserved += 1
