@@ -184,11 +184,12 @@ class H2WsClient:
         protocol: bytes = b"websocket",
         extra: list[tuple[bytes, bytes]] | None = None,
         version: bytes | None = b"13",
+        scheme: bytes = b"http",
     ) -> H2WebSocket:
         headers = [
             (b":method", b"CONNECT"),
             (b":protocol", protocol),
-            (b":scheme", b"http"),
+            (b":scheme", scheme),
             (b":authority", authority or self.authority),
             (b":path", path.encode()),
         ]

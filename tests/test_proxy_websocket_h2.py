@@ -518,10 +518,11 @@ def test_hostile_extended_connects_are_refused_on_their_stream(ws_proxy: Running
                 (b"sec-websocket-version", b"13"),
             ],
         )
+        secure = client.websocket(13, "/", target, scheme=b"https")
         keyed = client.websocket(
-            13, "/", target, extra=[(b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ==")]
+            15, "/", target, extra=[(b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ==")]
         )
-        for ws in (unknown, no_version, bad_version):
+        for ws in (unknown, no_version, bad_version, secure):
             ws.wait_over()
         for state in (plain, on_get, no_authority):
             client.wait(lambda s=state: s.over, what="a refusal")
@@ -537,6 +538,9 @@ def test_hostile_extended_connects_are_refused_on_their_stream(ws_proxy: Running
         assert status == 400 and ":protocol" in message
         status, message = refusal(no_authority)
         assert status == 400 and ":authority" in message
+        # wss: the agent's client tunnels it (CONNECT over HTTP/1.1), as on HTTP/1.1.
+        status, message = refusal(secure.state)
+        assert status == 400 and "https:// targets must use CONNECT" in message
         # A key the agent sent anyway is not the one used (RFC 8441 5): the session works.
         assert keyed.accepted() == 200
         keyed.send(TextMessage("fine"))
@@ -545,7 +549,7 @@ def test_hostile_extended_connects_are_refused_on_their_stream(ws_proxy: Running
 
     events = ws_proxy.events()
     refused = sorted(e.status for e in events if isinstance(e, RequestRefused))
-    assert refused == [400, 400, 400, 400, 400, 501]
+    assert refused == [400, 400, 400, 400, 400, 400, 501]
     [session] = sessions(ws_proxy)
     assert session.ended == "complete" and session.websocket is not None
     assert session.websocket.messages_up == session.websocket.messages_down == 1
