@@ -221,6 +221,36 @@ def test_large_messages_and_backpressure_through_flow_control(ws_proxy: RunningP
     assert session.websocket.messages_up == 3
 
 
+def test_a_window_the_agent_keeps_closed_resets_the_stream(make_proxy) -> None:
+    """A zero-window stall lasts `h2_stall_timeout` at most (1 s here): the stream is reset,
+    the upstream told 1001, the session's event says why."""
+    proxy = make_proxy(allow=["plain.test"], extra=SHORT_LIMITS + "h2_stall_timeout = 1.0\n")
+    upstream_close: dict[str, Any] = {}
+    chunk = os.urandom(256 * 1024)
+
+    def firehose(ws: ServerConnection) -> None:
+        ws.recv()
+        with contextlib.suppress(ConnectionClosed):
+            for _ in range(64):
+                ws.send(chunk)
+            ws.recv()
+        upstream_close["code"] = ws.close_code
+
+    with upstream(firehose) as port, H2WsClient(proxy, auto_ack=False) as client:
+        ws = client.websocket(1, "/", authority(port))
+        assert ws.accepted() == 200
+        ws.send(TextMessage("go"))
+        started = time.monotonic()
+        state = ws.wait_over(timeout=10)
+        assert state.reset == CANCEL and 1.0 <= time.monotonic() - started < 6.0
+        time.sleep(0.5)
+
+    assert upstream_close["code"] == 1001
+    [session] = sessions(proxy)
+    assert "send window stalled" in session.ended and not session.complete
+    assert session.bytes_down < 2 * len(chunk)
+
+
 def test_close_begun_by_the_upstream(ws_proxy: RunningProxy) -> None:
     def close_after_one(ws: ServerConnection) -> None:
         ws.send(ws.recv())
