@@ -219,6 +219,8 @@ def test_large_messages_and_backpressure_through_flow_control(ws_proxy: RunningP
     assert session.websocket is not None
     assert session.websocket.messages_down == 1 + total
     assert session.websocket.messages_up == 3
+    # Each side's messages in one frame each, and the Closes.
+    assert (session.websocket.frames_up, session.websocket.frames_down) == (4, total + 2)
 
 
 def test_a_window_the_agent_keeps_closed_resets_the_stream(make_proxy) -> None:
@@ -248,7 +250,9 @@ def test_a_window_the_agent_keeps_closed_resets_the_stream(make_proxy) -> None:
     assert upstream_close["code"] == 1001
     [session] = sessions(proxy)
     assert "send window stalled" in session.ended and not session.complete
-    assert session.bytes_down < 2 * len(chunk)
+    assert session.bytes_up == 2 and session.bytes_down < 2 * len(chunk)
+    assert session.websocket is not None
+    assert (session.websocket.messages_up, session.websocket.frames_up) == (1, 1)
 
 
 def test_close_begun_by_the_upstream(ws_proxy: RunningProxy) -> None:
@@ -272,6 +276,8 @@ def test_close_begun_by_the_upstream(ws_proxy: RunningProxy) -> None:
     assert session.websocket is not None
     assert (session.websocket.closed_by, session.websocket.close_code) == ("upstream", 4001)
     assert (session.websocket.frames_up, session.websocket.frames_down) == (2, 2)
+    assert (session.websocket.messages_up, session.websocket.messages_down) == (1, 1)
+    assert session.bytes_up == session.bytes_down == 3
 
 
 def test_idle_session_is_closed_and_the_stream_ended(ws_proxy: RunningProxy) -> None:
@@ -301,6 +307,9 @@ def test_idle_session_is_closed_and_the_stream_ended(ws_proxy: RunningProxy) -> 
     assert session.ended == "idle_timeout"
     assert session.websocket is not None and session.websocket.closed_by == "proxy"
     assert session.websocket.messages_up == session.websocket.messages_down == 1
+    # "hi" and the answer to the proxy's Close, each way.
+    assert session.websocket.frames_up == session.websocket.frames_down == 2
+    assert session.bytes_up == session.bytes_down == 2
 
 
 def test_oversized_message_is_refused_1009(ws_proxy: RunningProxy) -> None:
@@ -329,7 +338,9 @@ def test_oversized_message_is_refused_1009(ws_proxy: RunningProxy) -> None:
     assert session.ended.startswith("message_too_big")
     assert session.websocket is not None
     assert (session.websocket.closed_by, session.websocket.close_code) == ("proxy", 1009)
-    assert session.websocket.messages_up == 0
+    # Counted up to the byte over the limit: its one frame, no message relayed whole.
+    assert session.bytes_up == 1024 * 1024 + 1
+    assert (session.websocket.messages_up, session.websocket.frames_up) == (0, 1)
 
 
 # -- refusals, injection and scrubbing -----------------------------------------------------------
@@ -364,7 +375,8 @@ def test_denied_stream_is_refused_while_its_siblings_are_served(
     assert [e.host for e in allowed] == ["plain.test"]
     [session] = sessions(ws_proxy)
     assert session.ended == "complete" and session.websocket is not None
-    assert session.websocket.messages_up == 1
+    assert session.websocket.messages_up == session.websocket.messages_down == 1
+    assert session.bytes_up == session.bytes_down == len("still here")
 
 
 @pytest.fixture
@@ -456,7 +468,9 @@ def test_agent_reset_ends_its_session_only(ws_proxy: RunningProxy, plain_host: F
     assert first.ended.startswith("agent_reset") and not first.complete
     assert first.websocket is not None and first.websocket.closed_by == "agent"
     assert first.websocket.messages_up == first.websocket.messages_down == 1
-    assert second.ended == "complete"
+    assert first.bytes_up == first.bytes_down == 3
+    assert second.ended == "complete" and second.websocket is not None
+    assert second.websocket.messages_up == 1 and second.bytes_down == 3
 
 
 def test_end_stream_mid_message_is_a_lost_agent(ws_proxy: RunningProxy) -> None:
@@ -482,7 +496,9 @@ def test_end_stream_mid_message_is_a_lost_agent(ws_proxy: RunningProxy) -> None:
     [session] = sessions(ws_proxy)
     assert session.ended == "agent_closed"
     assert session.websocket is not None and session.websocket.closed_by == "agent"
-    assert session.websocket.messages_up == 0
+    # The first fragment of the message went up; the message never finished.
+    assert session.bytes_up == len("half a messa") and session.bytes_down == 0
+    assert (session.websocket.frames_up, session.websocket.messages_up) == (1, 0)
 
 
 def test_data_before_the_200_is_relayed_after_it(ws_proxy: RunningProxy) -> None:
@@ -502,6 +518,8 @@ def test_data_before_the_200_is_relayed_after_it(ws_proxy: RunningProxy) -> None
 
     [session] = sessions(ws_proxy)
     assert session.bytes_up == len("early") and session.ended == "complete"
+    assert session.websocket is not None
+    assert session.websocket.messages_up == session.websocket.messages_down == 1
     denied = [e for e in ws_proxy.events() if isinstance(e, RequestDenied)]
     assert [e.host for e in denied] == ["denied.test"]
 
@@ -583,3 +601,4 @@ def test_hostile_extended_connects_are_refused_on_their_stream(ws_proxy: Running
     [session] = sessions(ws_proxy)
     assert session.ended == "complete" and session.websocket is not None
     assert session.websocket.messages_up == session.websocket.messages_down == 1
+    assert session.bytes_up == session.bytes_down == len("fine")
