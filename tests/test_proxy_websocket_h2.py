@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -602,3 +604,35 @@ def test_hostile_extended_connects_are_refused_on_their_stream(ws_proxy: Running
     assert session.ended == "complete" and session.websocket is not None
     assert session.websocket.messages_up == session.websocket.messages_down == 1
     assert session.bytes_up == session.bytes_down == len("fine")
+
+
+# -- another HTTP/2 implementation ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_nodes_http2_client_speaks_extended_connect_to_the_proxy(ws_proxy: RunningProxy) -> None:
+    """Node's own http2 client (nghttp2): it sends `:protocol` only once the proxy's SETTINGS
+    allow it; the WebSocket frames are written by hand in tests/node_ws_h2.js."""
+    with upstream() as port:
+        done = subprocess.run(
+            [
+                "node",
+                str(Path(__file__).with_name("node_ws_h2.js")),
+                ws_proxy.url,
+                f"plain.test:{port}",
+                "/node",
+                "hello from node",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    out = json.loads(done.stdout)
+    assert out["enableConnectProtocol"] is True and out["status"] == 200
+    assert out["echo"] == "hello from node" and out["close"] == 1000
+    assert out["ended"] and out["rstCode"] == 0  # END_STREAM, no reset (RFC 8441 5)
+    [session] = sessions(ws_proxy)
+    assert session.ended == "complete" and session.websocket is not None
+    assert session.bytes_up == session.bytes_down == len("hello from node")
+    assert (session.websocket.messages_up, session.websocket.frames_up) == (1, 2)
