@@ -306,13 +306,14 @@ class H2Session:
         crew, runtime = self.crew, self.runtime
         assert self.nursery is not None
         method = event.method.decode("ascii", "replace")
-        pipe_class: type[StreamPipe] = StreamPipe
-        extended = is_extended_connect(event)
-        if extended:
+        pipe: StreamPipe
+        if is_extended_connect(event):
             # RFC 8441: WebSocket over this stream (imported here: it extends StreamPipe).
-            from proxycore.io.websocket_h2 import WebSocketPipe as pipe_class
-            from proxycore.io.websocket_h2 import stream_head
-        pipe = pipe_class(self, event.stream_id, event.method)
+            from proxycore.io.websocket_h2 import WebSocketPipe, stream_head
+
+            pipe, write_head = WebSocketPipe(self, event.stream_id), stream_head
+        else:
+            pipe, write_head = StreamPipe(self, event.stream_id, event.method), request_head
         self.pipes[event.stream_id] = pipe
         crew.connections += 1
         request = Request(crew.name, crew.mode, method=method)
@@ -329,10 +330,7 @@ class H2Session:
             )
         else:
             try:
-                if extended:
-                    head = stream_head(event, crew.gateway)
-                else:
-                    head = request_head(event, crew.gateway)
+                head = write_head(event, crew.gateway)
             except MessageRefused as exc:
                 refusal = request.refused(exc.status, exc.error, exc.message, close=False)
             else:
