@@ -146,6 +146,12 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            # The handshake runs here, in this connection's thread, not in the accept loop:
+            # there it would serialize every client's handshake behind the slowest one.
+            self.request.settimeout(10)
+            self.request.do_handshake()
+            self.request.settimeout(None)
         super().setup()
         self.fake.connections += 1
 
@@ -325,14 +331,25 @@ class _Handler(BaseHTTPRequestHandler):
     do_DELETE = do_GET
 
 
+class _Server(ThreadingHTTPServer):
+    # The default backlog (5) drops the SYNs of a burst of new connections (an h2 agent's
+    # many streams each dialing its own upstream connection), which then look like timeouts.
+    request_queue_size = 128
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that fails its TLS handshake or resets: not the test's output
+
+
 def start_fake(
     host: str = "127.0.0.1", port: int = 0, tls_context: ssl.SSLContext | None = None
 ) -> FakeServer:
     handler = type("Handler", (_Handler,), {})
-    server = ThreadingHTTPServer((host, port), handler)
+    server = _Server((host, port), handler)
     server.daemon_threads = True
     if tls_context is not None:
-        server.socket = tls_context.wrap_socket(server.socket, server_side=True)
+        server.socket = tls_context.wrap_socket(
+            server.socket, server_side=True, do_handshake_on_connect=False
+        )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     fake = FakeServer(server, thread, tls_context is not None)
     handler.fake = fake  # type: ignore[attr-defined]

@@ -14,7 +14,9 @@ Invariants:
   PUSH_PROMISE; nothing after a GOAWAY with an error; DATA within the windows the client gave
   (the connection's: 65535 plus its WINDOW_UPDATEs on stream 0);
 - memory stays bounded: at most one incomplete frame held, at most a stream window of
-  unacknowledged body per stream.
+  unacknowledged body per stream;
+- an extended CONNECT (RFC 8441) is either refused (`MessageRefused`) or written as one HTTP/1.1
+  head that the strict parser reads whole as a WebSocket handshake.
 """
 
 from __future__ import annotations
@@ -40,14 +42,18 @@ from hyperframe.frame import (
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from proxycore.errors import Http2ConnectionError
+from proxycore.protocol import http1
 from proxycore.protocol.http2 import (
     PREFACE,
     DataReceived,
     H2Limits,
     H2Server,
+    MessageRefused,
     RequestReceived,
     StreamReset,
 )
+from proxycore.protocol.http2.websocket import is_extended_connect, websocket_head
+from proxycore.protocol.websocket import wants_websocket
 
 # Small limits, so that the fuzzer reaches them.
 LIMITS = H2Limits(
@@ -153,6 +159,9 @@ def _client_frames(r: _Reader, encoder: hpack.Encoder) -> bytes:
             (b":authority", b"10.0.0.1:9119"),
             (b":path", _PATHS[(flags_byte >> 2) % len(_PATHS)]),
         ]
+        if flags_byte & 0x40:
+            # RFC 8441 extended CONNECT (or :protocol where it is malformed).
+            fields.append((b":protocol", (b"websocket", b"other")[flags_byte >> 7]))
         for _ in range(r.byte() % 4):
             fields.append((b"x-" + bytes([97 + r.byte() % 26]), r.bytes(r.byte() % 40)))
         block = encoder.encode(fields)
@@ -223,6 +232,16 @@ def _act(r: _Reader, server: H2Server, live: list[int], checker: _Checker) -> No
         checker.output(server.data_to_send())
 
 
+def _check_websocket(event: RequestReceived) -> None:
+    try:
+        head = websocket_head(event, "10.0.0.1", b"dGhlIHNhbXBsZSBub25jZQ==")
+    except MessageRefused:
+        return
+    parsed = http1.parse_request_head(head, http1.Limits())
+    assert parsed is not None and parsed[1] == len(head), head
+    assert wants_websocket(parsed[0]) and not parsed[0].keep_alive, head
+
+
 def _splits(r: _Reader, data: bytes, mode: int) -> list[bytes]:
     if mode == 0:
         return [data]
@@ -276,6 +295,8 @@ def TestOneInput(data: bytes) -> None:
                 if isinstance(event, RequestReceived):
                     checker.opened.add(event.stream_id)
                     live.append(event.stream_id)
+                    if is_extended_connect(event):
+                        _check_websocket(event)
                 elif isinstance(event, StreamReset):
                     checker.closed.add(event.stream_id)
                 elif isinstance(event, DataReceived):
@@ -304,6 +325,20 @@ SEEDS = [
     _seed(b"\x00", b"\x00\x00\x00\x00", *[b"\x01\x00\x00\x10" + b"z" * 16] * 10, b"\x0b"),
     _seed(b"\x02", *[b"\x05\x00\x00" + b"12345678"] * 10, b"\x0b\x07"),
     _seed(b"\x00", b"\x06\x00\x01\x00\x00", b"\x0b\x01"),
+    # Extended CONNECT (RFC 8441): the 200, frames both ways, then the client's END_STREAM.
+    _seed(
+        b"\x00",
+        b"\x00\x00\x42\x00",
+        b"\x0b",
+        b"\x00\x00\x00",
+        b"\x02\x00\x00\x04",
+        b"\x0b",
+        b"\x02\x20\x00",
+        b"\x02\x00\x01\x00",
+        b"\x0b",
+        b"\x05",
+    ),
+    _seed(b"\x02", b"\x00\x01\xc2\x01\x00\x00", b"\x00\x02\x41\x00", b"\x0b\x03\x03"),
 ]
 
 

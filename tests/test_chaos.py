@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from tests import chaos_attacks as attacks
+from tests import chaos_attacks_h2 as h2attacks
 from tests import chaos_inputs as inputs
 from tests import chaos_peers as peers
 from tests.chaos_http import describe
@@ -248,3 +249,49 @@ async def test_chunked_request_bodies_are_streamed(world: ChaosWorld, tmp_path: 
                     "chunked bodies in flight (bodies are buffered, not streamed)"
                 )
         await chaos.check(a_requests=attack.requests, legit=legit, problems=problems)
+
+
+async def test_h2_floods_and_stream_faults(world: ChaosWorld, tmp_path: Path) -> None:
+    """Crew A speaks h2c: every known flood (tests/chaos_attacks_h2.py, two connections each)
+    at once, then ordinary stream faults: an upstream resetting half the streams of a
+    connection, the agent resetting streams mid-response, the agent vanishing with streams in
+    flight. Crew B's stream and the workers are untouched; each flood connection ends in
+    exactly one refusal naming its rule; each ordinary stream in exactly one terminal event."""
+    async with chaos_pool(world, tmp_path) as chaos:
+        attack = attacks.Attack(chaos)
+        tally = h2attacks.FloodTally()
+        async with chaos.legit() as legit:
+            await h2attacks.floods(attack, tally)
+            await attack.run(
+                [
+                    ("siblings", lambda: h2attacks.upstream_resets_beside_siblings(attack)),
+                    ("mid-response", lambda: h2attacks.agent_resets_streams_mid_response(attack)),
+                    ("vanish", lambda: h2attacks.agent_vanishes_with_streams_in_flight(attack)),
+                ],
+                timeout=40,
+            )
+        refusals_due = sum(tally.connections.values())
+        await chaos.settle({chaos.crew_a: attack.requests + refusals_due})
+        terminal = chaos.events.terminal(chaos.crew_a)
+        problems = list(attack.problems)
+        by_rule: dict[str, int] = {}
+        for event in terminal:
+            if event.get("route") == "connection":
+                by_rule[event["rule"]] = by_rule.get(event["rule"], 0) + 1
+        if by_rule != tally.connections:
+            problems.append(
+                f"connection refusals by rule {by_rule}, floods sent {tally.connections}"
+            )
+        # A flood's streams: at the silent peer, or ended before their exchange named a host.
+        flood_streams = [
+            e
+            for e in terminal
+            if e.get("route") != "connection" and e.get("port") in (peers.SILENT, 0, None)
+        ]
+        if len(flood_streams) > tally.streams:
+            problems.append(f"{len(flood_streams)} flood stream events for {tally.streams} sent")
+        await chaos.check(
+            a_requests=attack.requests + refusals_due + len(flood_streams),
+            legit=legit,
+            problems=problems,
+        )

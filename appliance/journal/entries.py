@@ -71,6 +71,27 @@ class RunTimeout(Entry, frozen=True, tag="run.timeout"):
 # -- the proxy's decisions (from proxycore.protocol.events) ----------------------------------------
 
 
+class WebSocketCounts(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a WebSocket session relayed (the proxy's `WebSocketSession`): frames (control
+    frames included) and messages each way, whose Close (or failure) began the end and its
+    code. Its payload bytes are the request's `bytes_up` and `bytes_down`."""
+
+    frames_up: int = 0
+    frames_down: int = 0
+    messages_up: int = 0
+    messages_down: int = 0
+    closed_by: str = ""  # "agent" | "upstream" | "proxy"
+    close_code: int = 0
+
+    def summary(self, bytes_up: int, bytes_down: int) -> str:
+        closed = f", closed by {self.closed_by} ({self.close_code})" if self.closed_by else ""
+        return (
+            f"websocket {bytes_up} B up / {bytes_down} B down, messages {self.messages_up} up / "
+            f"{self.messages_down} down, frames {self.frames_up} up / {self.frames_down} down"
+            f"{closed}"
+        )
+
+
 class AllowedRequest(msgspec.Struct, frozen=True, array_like=True):
     """One request in a `proxy.allow` entry, as a JSON array in this field order."""
 
@@ -88,6 +109,9 @@ class AllowedRequest(msgspec.Struct, frozen=True, array_like=True):
     bytes_down: int = 0
     duration: float = 0.0
     ended: str = "complete"
+    # Appended after those (older entries decode with None): a WebSocket session's counts,
+    # null for any other request.
+    websocket: WebSocketCounts | None = None
 
 
 class DeniedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -143,7 +167,11 @@ def _requests_summary(
     if len(requests) == 1:
         (one,) = requests
         tail = f" -> {one.status}" if one.status else ""
-        if isinstance(one, AllowedRequest) and one.ended != "complete":
+        if isinstance(one, AllowedRequest) and one.websocket is not None:
+            tail += ", " + one.websocket.summary(one.bytes_up, one.bytes_down)
+            if one.ended != "complete":
+                tail += f", ended: {one.ended}"  # a session's end is not a cut answer
+        elif isinstance(one, AllowedRequest) and one.ended != "complete":
             tail += f", cut short: {one.ended}"
         return f"{verb} {one.method} {one.host}:{one.port} ({one.route}, rule {one.rule}){tail}"
     counts: dict[str, int] = {}

@@ -103,9 +103,14 @@ def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
 
 
 def _allowed(event: pe.RequestAllowed) -> E.AllowedRequest:
+    ws = event.websocket
+    counts = None if ws is None else E.WebSocketCounts(
+        ws.frames_up, ws.frames_down, ws.messages_up, ws.messages_down, ws.closed_by,
+        ws.close_code,
+    )  # fmt: skip
     return E.AllowedRequest(
         event.ts, event.route, event.method, event.host, event.port, event.address, event.rule,
-        event.status, event.bytes_up, event.bytes_down, event.duration, event.ended,
+        event.status, event.bytes_up, event.bytes_down, event.duration, event.ended, counts,
     )  # fmt: skip
 
 

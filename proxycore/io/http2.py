@@ -57,6 +57,7 @@ from proxycore.protocol.http2 import (
     request_head,
     response_fields,
 )
+from proxycore.protocol.http2.websocket import is_extended_connect
 from proxycore.protocol.plans import Request
 from proxycore.protocol.trailers import relayable, section
 
@@ -311,7 +312,14 @@ class H2Session:
         crew, runtime = self.crew, self.runtime
         assert self.nursery is not None
         method = event.method.decode("ascii", "replace")
-        pipe = StreamPipe(self, event.stream_id, event.method)
+        pipe: StreamPipe
+        if is_extended_connect(event):
+            # RFC 8441: WebSocket over this stream (imported here: it extends StreamPipe).
+            from proxycore.io.websocket_h2 import WebSocketPipe, stream_head
+
+            pipe, write_head = WebSocketPipe(self, event.stream_id), stream_head
+        else:
+            pipe, write_head = StreamPipe(self, event.stream_id, event.method), request_head
         self.pipes[event.stream_id] = pipe
         crew.connections += 1
         request = Request(crew.name, crew.mode, method=method)
@@ -328,7 +336,7 @@ class H2Session:
             )
         else:
             try:
-                head = request_head(event, crew.gateway)
+                head = write_head(event, crew.gateway)
             except MessageRefused as exc:
                 refusal = request.refused(exc.status, exc.error, exc.message, close=False)
             else:

@@ -21,7 +21,9 @@ plus that small read per direction and connection.
 A fifth task keeps the deadlines: no byte moved either way for `ws_idle_timeout` starts a close
 with both sides (1001); once a Close has been sent, an answer is awaited for `ws_close_timeout`
 at most, then the connections are dropped. The sides are byte streams (`receive`, `send_all`),
-so the same session can run over an HTTP/2 stream (RFC 8441 extended CONNECT) later.
+so the same session runs over an HTTP/2 stream (RFC 8441 extended CONNECT,
+proxycore/io/websocket_h2.py): that stream is the agent's side, and is told at the end whether
+the agent was sent its Close (`SessionCarrier`).
 
 The session's request ends in one terminal event, `request_allowed` with status 101, when the
 session ends, whatever ends it: payload bytes both ways, frames and messages, who closed, why.
@@ -32,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import trio
 
@@ -63,6 +65,14 @@ class FrameStream(Protocol):
     async def receive(self, max_bytes: int) -> bytes: ...
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+
+@runtime_checkable
+class SessionCarrier(Protocol):
+    """An agent side that carries the session on a stream of its own (an HTTP/2 stream, RFC
+    8441: proxycore/io/websocket_h2.py), told at the end whether it may end in order."""
+
+    def session_ended(self, in_order: bool) -> None: ...
 
 
 def websocket_limits(conn: ClientConnection) -> WebSocketLimits:
@@ -135,6 +145,9 @@ async def serve_websocket(
                             await stream.send_all(out)
                         except _BROKEN:
                             pass
+        if isinstance(conn.stream, SessionCarrier):
+            # RFC 8441 5: END_STREAM once the agent has its Close, else RST_STREAM.
+            conn.stream.session_ended(relay.closed_in_order(Side.AGENT))
         upstream.close()
         conn.upstream = None
         ended = conn.ended_by or relay.ended or "shutdown"

@@ -88,11 +88,13 @@ class _Peer:
 
     __slots__ = (
         "bytes",
+        "close_sent",
         "conn",
         "control",
         "decoder",
         "done",
         "frames",
+        "lost",
         "message_bytes",
         "messages",
         "outgoing",
@@ -104,6 +106,8 @@ class _Peer:
         self.conn = Connection(kind)
         self.outgoing = bytearray()  # bytes to send to this side
         self.done = False  # read no more from this side
+        self.close_sent = False  # a Close was queued for this side
+        self.lost = False  # its connection failed (`WebSocketRelay.lost`)
         self.bytes = 0  # payload bytes this side sent (the agent's as sent, before scrubbing)
         self.frames = 0
         self.messages = 0
@@ -158,6 +162,13 @@ class WebSocketRelay:
     def redactions(self) -> int:
         return max(0, self.markers[1].count - self.markers[0].count)
 
+    def closed_in_order(self, side: Side) -> bool:
+        """`side` was sent a Close, and everything for it was taken, and its connection did not
+        fail: its transport may end in order (a FIN; on an HTTP/2 stream END_STREAM, RFC 8441
+        5), rather than be reset."""
+        peer = self.peers[side]
+        return peer.close_sent and not peer.lost and not peer.outgoing
+
     def stats(self, side: Side) -> tuple[int, int, int]:
         """(payload bytes, frames, messages) that `side` sent."""
         peer = self.peers[side]
@@ -188,6 +199,7 @@ class WebSocketRelay:
         """`side`'s connection failed (a reset, a broken pipe): it is read and sent no more."""
         peer = self.peers[side]
         peer.outgoing.clear()
+        peer.lost = True
         if peer.conn.state is not ConnectionState.CLOSED:
             peer.conn.receive_data(None)
         peer.done = True
@@ -375,6 +387,7 @@ class WebSocketRelay:
             peer.outgoing += peer.conn.send(CloseConnection(code=CloseReason.NO_STATUS_RCVD))
         else:
             peer.outgoing += peer.conn.send(CloseConnection(code=code, reason=reason or None))
+        peer.close_sent = True
         if state is ConnectionState.OPEN and not peer.done:
             self.closing = True  # its answer is awaited
 

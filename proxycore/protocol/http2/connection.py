@@ -108,6 +108,8 @@ class H2Server:
                 h2.settings.SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
                 h2.settings.SettingCodes.HEADER_TABLE_SIZE: limits.header_table_size,
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                # RFC 8441 3: extended CONNECT (WebSocket over a stream, websocket.py).
+                h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: int(limits.extended_connect),
             },
         )
         h2c.decoder.max_header_list_size = limits.max_header_list_size
@@ -344,6 +346,9 @@ class H2Server:
                 malformed = malformed or "CONNECT with :scheme or :path, or without :authority"
         elif not (method and pseudo.get(b":scheme") and pseudo.get(b":path")):
             malformed = malformed or "a request without :method, :scheme or :path"
+        if b":protocol" in pseudo and (method != b"CONNECT" or not self.limits.extended_connect):
+            # RFC 8441 4: :protocol only on CONNECT, and only once the setting was advertised.
+            malformed = malformed or ":protocol without CONNECT or SETTINGS_ENABLE_CONNECT_PROTOCOL"
         authority = pseudo.get(b":authority")
         if authority is None:
             authority = next((v for n, v in regular if n == b"host"), b"")

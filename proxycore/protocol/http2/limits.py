@@ -66,6 +66,8 @@ class H2Limits(msgspec.Struct, frozen=True, kw_only=True):
     # Streams with a higher identifier are refused and the connection is told to go away
     # (GOAWAY NO_ERROR): a client that exhausts the identifiers opens a new connection.
     max_stream_id: int = MAX_STREAM_ID
+    # RFC 8441 SETTINGS_ENABLE_CONNECT_PROTOCOL: WebSocket over a stream (extended CONNECT).
+    extended_connect: bool = True
 
 
 class TokenBucket:

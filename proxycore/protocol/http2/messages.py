@@ -11,8 +11,8 @@ here, once): anything else refuses the stream (`MessageRefused`, 400).
 The request target: a request to the proxy itself (its :authority is the gateway address the
 connection arrived on) is origin-form (the reverse routes, the local API); any other authority
 is a proxy request in absolute-form (`http://authority/path`), as an HTTP/1.1 client writes it
-to a proxy. CONNECT (RFC 9113 8.5) and extended CONNECT (RFC 8441) are refused here: tunnels
-over a stream are not served yet.
+to a proxy. CONNECT (RFC 9113 8.5) is refused here: tunnels over a stream are not served yet;
+extended CONNECT for WebSocket (RFC 8441) is written by websocket.py, through this function.
 
 A request with a body and no content-length is written chunked (the exchange re-frames it
 anyway); "connection: close" makes each stream one exchange.
