@@ -35,7 +35,7 @@ import trio
 from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
 from proxycore.io.progress import RECV_SIZE, Phase, Refused, upstream_refusal
 from proxycore.io.upstream import UpstreamConnection
-from proxycore.io.upstream_h2 import H2Stream
+from proxycore.io.upstream_h2_stream import H2Stream
 from proxycore.protocol import http1
 from proxycore.protocol.events import CredentialInjected
 from proxycore.protocol.exchange import REPLAYABLE_BODY

@@ -8,15 +8,15 @@ when), `H2Pool.adopt` takes the connection over: an `H2Upstream` owns its socket
 reads it and feeds the sans-IO `H2Client` (proxycore/protocol/http2/client.py), another writes
 what h2 queued; every write goes through one lock.
 
-Each request is one `H2Stream`: the byte stream the forward path (proxycore/io/forward.py) uses
-where it uses a socket. It writes the HTTP/1.1 request the exchange built, which the stream
-reads back with the strict parser and sends as HEADERS and DATA (and trailers); the response's
-HEADERS, DATA and trailers come back as an HTTP/1.1 response (proxycore/protocol/http2/
-outbound.py) that forward.py reads as it reads any upstream. So every check of the HTTP/1.1
-path applies per stream unchanged: policy, SSRF checks, credential injection, header and
-response scrubbing, refusals, deadlines, and one terminal event per request. The stream is
-wrapped in an `UpstreamConnection` marked `multiplexed` (never pooled itself: its connection
-is).
+Each request is one `H2Stream` (proxycore/io/upstream_h2_stream.py): the byte stream the
+forward path (proxycore/io/forward.py) uses where it uses a socket. It writes the HTTP/1.1
+request the exchange built, which the stream reads back with the strict parser and sends as
+HEADERS and DATA (and trailers); the response's HEADERS, DATA and trailers come back as an
+HTTP/1.1 response (proxycore/protocol/http2/outbound.py) that forward.py reads as it reads any
+upstream. So every check of the HTTP/1.1 path applies per stream unchanged: policy, SSRF
+checks, credential injection, header and response scrubbing, refusals, deadlines, and one
+terminal event per request. The stream is wrapped in an `UpstreamConnection` marked
+`multiplexed` (never pooled itself: its connection is).
 
 Sharing: connections are keyed (crew, tls, host, port), exactly as the HTTP/1.1 pool: a crew's
 streams never ride another crew's connection. A connection carries at most
@@ -37,17 +37,17 @@ waits for the upstream's send window at most `h2_stall_timeout`.
 
 from __future__ import annotations
 
-import collections
 import time
-from typing import NoReturn, cast
+from typing import cast
 
 import trio
 
-from proxycore.errors import Http2ConnectionError, HttpProtocolError
+from proxycore.errors import Http2ConnectionError
 from proxycore.io.progress import RECV_SIZE
 from proxycore.io.upstream import PoolKey, UpstreamConnection
+from proxycore.io.upstream_h2_stream import H2Stream
 from proxycore.protocol import http1
-from proxycore.protocol.http2.client import H2Client, RequestUnsendable
+from proxycore.protocol.http2.client import H2Client
 from proxycore.protocol.http2.events import (
     ConnectionEnded,
     DataReceived,
@@ -59,12 +59,8 @@ from proxycore.protocol.http2.events import (
     WindowOpened,
 )
 from proxycore.protocol.http2.limits import H2Limits
-from proxycore.protocol.http2.outbound import request_fields, response_head
-from proxycore.protocol.trailers import relayable, section
 
 __all__ = ["H2Pool", "H2Stream", "H2Upstream"]
-
-_CANCEL, _NO_ERROR, _PROTOCOL_ERROR = 0x8, 0x0, 0x1
 
 
 class H2Pool:
@@ -365,242 +361,3 @@ class H2Upstream:
             if self.retiring:
                 self.shut("retired")
         self.kick()
-
-
-class H2Stream:
-    """One request on an upstream HTTP/2 connection, as the byte stream of one HTTP/1.1
-    exchange (see the module docstring). Not a socket."""
-
-    def __init__(self, connection: H2Upstream) -> None:
-        self.connection = connection
-        self.wrapper: UpstreamConnection | None = None
-        self.stream_id = 0
-        self._head = bytearray()
-        self._method = b""
-        self._request: http1.BodyReader | None = None
-        self._sent_end = False
-        self._inbox: collections.deque[tuple[bytes, int]] = collections.deque()
-        self._chunked = False
-        self._trailers: list[tuple[bytes, bytes]] = []
-        self._responded = False
-        self._eof = False
-        self._closed = False
-        self.broken: str | None = None
-        self._readable = trio.Event()
-        self._writable = trio.Event()
-        connection.opening.add(self)
-
-    def _opened(self) -> None:
-        self.connection.opening.discard(self)
-
-    # -- the request (written by forward.py) --------------------------------------------------
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self.broken is not None:
-            raise trio.BrokenResourceError(self.broken)
-        if self._closed:
-            raise trio.ClosedResourceError("stream closed")
-        limits = self.connection.pool.http_limits
-        try:
-            if self._request is None:
-                self._head += data
-                parsed = http1.parse_request_head(self._head, limits)
-                if parsed is None:
-                    return
-                head, used = parsed
-                data = bytes(self._head[used:])
-                self._head.clear()
-                self._method = head.method
-                self._request = http1.BodyReader.for_request(head, limits)
-                await self._open(request_fields(head, tls=self.connection.key[1]))
-                if self._request.done:
-                    return
-            piece = self._request.feed(bytes(data))
-        except HttpProtocolError as exc:
-            # Our own exchange wrote it: a bug, never the agent's doing.
-            self._fail_request(f"unreadable request: {exc}")
-        if self._request.done:
-            trailers = relayable(self._request.trailers, request=True)
-            await self._send_body(piece, end=not trailers)
-            if trailers:
-                await self._send_trailers(trailers)
-        elif piece:
-            await self._send_body(piece, end=False)
-
-    def _fail_request(self, why: str) -> NoReturn:
-        if self.wrapper is not None:
-            self.wrapper.reused = False  # never sent again: it would fail the same way
-        self.break_off(why, refused=False)
-        raise trio.BrokenResourceError(why)
-
-    async def _open(self, fields: list[tuple[bytes, bytes]]) -> None:
-        connection = self.connection
-        end = self._request is not None and self._request.done
-        async with connection.lock:
-            if connection.broken is not None or not connection.client.can_open_now():
-                # The connection went away (or a GOAWAY came) before this head was sent: the
-                # request was never seen upstream and may go on another connection.
-                self._opened()
-                connection.client.unreserve()
-                self.break_off(connection.broken or "upstream GOAWAY", refused=True)
-                raise trio.BrokenResourceError(self.broken)
-            try:
-                self.stream_id = connection.client.open_stream(fields, end=end)
-            except RequestUnsendable as exc:
-                connection.client.unreserve()
-                self._opened()
-                self._fail_request(f"the request cannot be sent over HTTP/2: {exc}")
-            self._opened()
-            connection.streams[self.stream_id] = self
-            if end:
-                self._sent_end = True
-            await connection.send_locked()
-
-    async def _send_body(self, piece: bytes, *, end: bool) -> None:
-        connection, client = self.connection, self.connection.client
-        view = memoryview(piece)
-        while view or (end and not self._sent_end):
-            async with connection.lock:
-                if self.broken is not None:
-                    raise trio.BrokenResourceError(self.broken)
-                window = client.send_window(self.stream_id)
-                if window or not view:
-                    take = min(len(view), window)
-                    last = end and take == len(view)
-                    if client.send_data(self.stream_id, view[:take], end=last) < 0:
-                        raise trio.BrokenResourceError(self.broken or "stream closed upstream")
-                    view = view[take:]
-                    if last:
-                        self._sent_end = True
-                    await connection.send_locked()
-                    continue
-                self._writable = trio.Event()
-            await self._wait_for_window()
-
-    async def _send_trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
-        connection = self.connection
-        async with connection.lock:
-            if self.broken is not None:
-                raise trio.BrokenResourceError(self.broken)
-            try:
-                sent = connection.client.send_trailers(self.stream_id, fields)
-            except RequestUnsendable as exc:
-                self._fail_request(f"request trailers cannot be sent: {exc}")
-            if not sent:
-                raise trio.BrokenResourceError(self.broken or "stream closed upstream")
-            self._sent_end = True
-            await connection.send_locked()
-
-    async def _wait_for_window(self) -> None:
-        """A zero send window: wait for the upstream to open it, at most `stall_timeout`."""
-        with trio.move_on_after(self.connection.pool.limits.stall_timeout) as scope:
-            await self._writable.wait()
-        if self.broken is not None:
-            raise trio.BrokenResourceError(self.broken)
-        if scope.cancelled_caught:
-            self.connection.client.reset(self.stream_id, _CANCEL)
-            self.connection.kick()
-            self._fail_request("send window stalled (the upstream never opened it)")
-
-    def wake_sender(self) -> None:
-        self._writable.set()
-
-    def abort(self, why: str) -> None:
-        """The request cannot be completed (its body failed): reset the stream; the response
-        side reads the failure."""
-        if self.stream_id:
-            self.connection.client.reset(self.stream_id, _CANCEL)
-            self.connection.streams.pop(self.stream_id, None)
-            self.connection.kick()
-        self.break_off(why, refused=False)
-
-    # -- the response (read by forward.py) ----------------------------------------------------
-
-    def on_response(self, event: ResponseReceived) -> None:
-        rendered = response_head(event, self._method)
-        if rendered is None:
-            self.connection.client.reset(self.stream_id, _PROTOCOL_ERROR)
-            self.connection.streams.pop(self.stream_id, None)
-            self.break_off("the upstream sent a malformed response head", refused=False)
-            return
-        head, self._chunked = rendered
-        self._responded = True
-        self._inbox.append((head, 0))
-        self._readable.set()
-        if event.ended:
-            self.on_end()
-
-    def on_data(self, data: bytes, flow: int, *, ended: bool) -> None:
-        if data and self._chunked:
-            data = http1.encode_chunk(data)
-        self._inbox.append((data, flow))
-        self._readable.set()
-        if ended:
-            self.on_end()
-
-    def on_trailers(self, fields: tuple[tuple[bytes, bytes], ...]) -> None:
-        self._trailers = relayable(fields, request=False)
-
-    def on_end(self) -> None:
-        if self._eof:
-            return
-        if self._chunked:
-            self._inbox.append((section(self._trailers) if self._trailers else http1.LAST_CHUNK, 0))
-        self._eof = True
-        self._readable.set()
-
-    def break_off(self, why: str, *, refused: bool) -> None:
-        if self.broken is None and not self._eof:
-            self.broken = why
-            if self.wrapper is not None and refused and not self._responded:
-                self.wrapper.reused = True  # never processed upstream: safe to send again
-        self._readable.set()
-        self._writable.set()
-
-    def try_receive(self, max_bytes: int) -> bytes | None:
-        inbox = self._inbox
-        while inbox:
-            data, flow = inbox.popleft()
-            if flow:
-                self.connection.client.acknowledge(self.stream_id, flow)
-                self.connection.kick()
-            if data:
-                return data
-        if self._eof:
-            return b""
-        if self.broken is not None:
-            raise trio.BrokenResourceError(self.broken)
-        return None
-
-    async def receive_after_wait(self, max_bytes: int) -> bytes:
-        await trio.lowlevel.checkpoint()
-        while True:
-            data = self.try_receive(max_bytes)
-            if data is not None:
-                return data
-            self._readable = trio.Event()
-            await self._readable.wait()
-
-    async def receive(self, max_bytes: int) -> bytes:
-        return await self.receive_after_wait(max_bytes)
-
-    # -- closing ------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """The exchange is over: a response not read whole (or a request not sent whole) is
-        reset (CANCEL); after a whole response the stream is forgotten (RST_STREAM NO_ERROR if
-        the upstream has not closed it, RFC 9113 8.1)."""
-        if self._closed:
-            return
-        self._closed = True
-        connection = self.connection
-        complete = self._eof and not self._inbox and self.broken is None
-        if not self.stream_id:
-            if self in connection.opening:
-                connection.client.unreserve()
-                self._opened()
-        elif complete and self._sent_end:
-            connection.client.finish(self.stream_id)
-        else:
-            connection.client.reset(self.stream_id, _CANCEL if not complete else _NO_ERROR)
-        connection.stream_done(self, complete=complete)
