@@ -113,6 +113,9 @@ http {{
     scgi_temp_path {root}/scgi;
     log_format h2log '{LOG_FORMAT}';
     access_log {root}/access.log h2log;
+    # What the upstream received as x-api-key: the key the proxy injected.
+    log_format keys '$http_x_crew $server_protocol $http_x_api_key';
+    access_log {root}/keys.log keys;
     ssl_certificate {root}/cert.pem;
     ssl_certificate_key {root}/key.pem;
     keepalive_timeout 60s;
@@ -213,6 +216,10 @@ def test_provider_route_goes_h2_with_injection(start, nginx: Nginx) -> None:
     # body the agent reads; the agent's own key never reached it.
     assert "agent-should-not-keep-this" not in done.stdout
     assert REAL_KEYS["anthropic"] not in done.stdout
+    assert "key=[REDACTED" in done.stdout
+    # Upstream, over HTTP/2: the appliance's key, never the agent's.
+    keys = (nginx.root / "keys.log").read_text().splitlines()
+    assert f"one HTTP/2.0 {REAL_KEYS['anthropic']}" in keys
     [event] = allowed(proxy, 1)
     assert event.status == 200 and event.complete and event.host == "api.anthropic.test"
 
@@ -642,3 +649,16 @@ def test_idle_upstream_h2_connections_are_reaped(start, nginx: Nginx, raw) -> No
     assert raw.closed == 1
     done = curl("-x", proxy.url, f"http://plain.test:{raw.port}/ok")
     assert done.stdout == "ok:/ok" and raw.connections == 2
+
+
+def test_http1_agent_chunked_trailers_reach_an_h2_upstream(start, nginx: Nginx, raw) -> None:
+    proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]')
+    body = b"7\r\npayload\r\n0\r\nx-digest: sha-256=2\r\nx-api-key: agent-key\r\n\r\n"
+    answer = h1_exchange(
+        proxy,
+        f"POST http://plain.test:{raw.port}/echo-trailers HTTP/1.1\r\nHost: plain.test\r\n"
+        "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n".encode()
+        + body,
+    )
+    assert b" 200 " in answer.split(b"\r\n")[0]
+    assert raw.request_trailers == [[(b"x-digest", b"sha-256=2")]]  # no credential field
