@@ -34,6 +34,7 @@ import trustme
 from proxycore.protocol.events import (
     RequestAllowed,
     RequestDenied,
+    RequestErrored,
     RequestRefused,
     TunnelClosed,
     TunnelOpened,
@@ -503,7 +504,7 @@ def forwarded(proxy: RunningProxy, count: int) -> list[Any]:
         events = [
             e
             for e in proxy.events()
-            if isinstance(e, RequestAllowed | RequestDenied | RequestRefused)
+            if isinstance(e, RequestAllowed | RequestDenied | RequestRefused | RequestErrored)
             and e.route == "forward"
         ]
         if len(events) >= count or time.monotonic() > deadline:
@@ -588,4 +589,41 @@ def test_per_rpc_policy_refusal_then_a_sibling_on_the_same_channel(
         "RequestAllowed",
         "RequestAllowed",
         "RequestDenied",
+    ]
+
+
+def test_per_rpc_cancellation_and_deadline_reach_the_server(
+    grpc_proxy: RunningProxy, h2c_upstream: Server
+) -> None:
+    """A cancelled stream and a deadline on the forward path: the agent's RST_STREAM ends the
+    RPC's exchange, whose upstream stream is reset in turn; grpc-timeout travels; the channel
+    carries on; each RPC has its terminal event."""
+    server = h2c_upstream
+    stream_token, deadline_token = f"fw-drip-{server.port}", f"fw-deadline-{server.port}"
+    with direct_channel(grpc_proxy, server) as channel:
+        drip = method(channel, "unary_stream", "Drip")(
+            b"", timeout=30, metadata=(("token", stream_token),)
+        )
+        assert [next(drip) for _ in range(3)] == [b"drip 0", b"drip 1", b"drip 2"]
+        drip.cancel()
+        with pytest.raises(grpc.RpcError) as caught:
+            list(drip)
+        assert caught.value.code() == grpc.StatusCode.CANCELLED
+        assert server.seen.event(stream_token).wait(5)
+        assert wait_for(lambda: server.seen.ended.get(stream_token)) == "inactive"
+        with pytest.raises(grpc.RpcError) as caught:
+            method(channel, "unary_unary", "Hang")(
+                b"", timeout=0.5, metadata=(("token", deadline_token),)
+            )
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert server.seen.event(deadline_token).wait(5)
+        assert 0 < server.seen.remaining[deadline_token] <= 0.5
+        assert method(channel, "unary_unary", "Unary")(b"after", timeout=10) == b"after"
+    events = forwarded(grpc_proxy, 3)
+    # The cancelled stream cut after its first messages, the deadline before any answer, the
+    # last RPC whole.
+    assert sorted((type(e).__name__, getattr(e, "complete", None)) for e in events) == [
+        ("RequestAllowed", False),
+        ("RequestAllowed", True),
+        ("RequestErrored", None),
     ]

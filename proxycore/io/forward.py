@@ -388,7 +388,7 @@ async def _serve_duplex(conn: ClientConnection, plan: Forward, head: http1.Reque
         raise Refused(_upstream_closed(plan)) from None
     progress = conn.progress
     assert progress is not None
-    refused: Refused | None = None
+    failure: Exception | None = None
     keep = False
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_pump_body, conn, upstream.stream, reader)
@@ -400,11 +400,13 @@ async def _serve_duplex(conn: ClientConnection, plan: Forward, head: http1.Reque
             except _UpstreamBroken:
                 raise Refused(_upstream_closed(plan)) from None
             keep = await relay_response(conn, plan, head, upstream, response)
-        except Refused as exc:
-            refused = exc  # raised outside the nursery (never wrapped in a group)
+        except Exception as exc:
+            # Raised outside the nursery, as it is (a refusal, the agent gone...): never
+            # wrapped in a group the connection would not recognize.
+            failure = exc
         nursery.cancel_scope.cancel()
-    if refused is not None:
-        raise refused
+    if failure is not None:
+        raise failure
     # An HTTP/1.1 agent whose body was not read to its end cannot send another request.
     return keep and progress.body_consumed
 

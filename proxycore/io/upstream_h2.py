@@ -37,6 +37,7 @@ waits for the upstream's send window at most `h2_stall_timeout`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import cast
 
@@ -61,6 +62,8 @@ from proxycore.protocol.http2.events import (
 from proxycore.protocol.http2.limits import H2Limits
 
 __all__ = ["H2Pool", "H2Stream", "H2Upstream"]
+
+log = logging.getLogger("proxycore")
 
 
 class H2Pool:
@@ -218,6 +221,13 @@ class H2Upstream:
                     self.kick()
                     why = await self._read_loop()
                     nursery.cancel_scope.cancel()
+        except Exception as exc:
+            # A bug: it ends this connection (its streams see it broken), never the pool's
+            # other connections or the worker. Only the type is logged: a message could quote
+            # what the upstream sent.
+            failure = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
+            log.error("proxy: upstream h2 connection failed: %s", type(failure).__name__)
+            why = f"internal error: {type(failure).__name__}"
         finally:
             self._break(self.broken or why)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
