@@ -6,6 +6,10 @@ and speaks HTTP/2 inside it: h2c (prior knowledge) on an insecure channel, h2 ov
 secure one. So gRPC reaches its server through the proxy's tunnel path, where the proxy sees
 the CONNECT (policy, SSRF guard, journal) and relays the bytes without reading them.
 
+Pointed at the proxy itself with the target in :authority (`grpc.default_authority`), grpcio
+speaks h2c to the proxy and each RPC is a stream the proxy checks and forwards on its own, over
+HTTP/2 to the server (`test_per_rpc_*`): policy and an event per RPC, trailers relayed.
+
 A real proxy process (tests/conftest.py, a restricted crew that may reach "plain.test", which
 resolves to 127.0.0.1; its `ssrf_allow` opens loopback), grpcio servers on loopback (insecure,
 and TLS with a certificate for plain.test from the tests' throw-away CA), and a client channel
