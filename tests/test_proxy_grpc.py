@@ -43,7 +43,7 @@ from proxycore.protocol.events import (
     TunnelClosed,
     TunnelOpened,
 )
-from tests.conftest import RunningProxy
+from tests.conftest import REAL_KEYS, RunningProxy
 
 SERVICE = "appliance.test.Echo"
 BIG = 4 * 1024 * 1024  # 4 MiB: grpcio's default receive limit, raised on both ends below
@@ -631,3 +631,27 @@ def test_per_rpc_cancellation_and_deadline_reach_the_server(
         ("RequestAllowed", True),
         ("RequestErrored", None),
     ]
+
+
+def test_per_rpc_response_messages_are_scrubbed_whole(
+    grpc_proxy: RunningProxy, h2c_upstream: Server
+) -> None:
+    """A server that echoes a credential of the appliance's: the message comes back redacted,
+    re-framed with its new length (so the call itself completes), never with the key; the
+    messages around it pass as they are, none held back."""
+    key = REAL_KEYS["anthropic"].encode()
+    with direct_channel(grpc_proxy, h2c_upstream) as channel:
+        chat = method(channel, "stream_stream", "Chat")
+        outgoing: queue.Queue[bytes | None] = queue.Queue()
+        replies = chat(iter(outgoing.get, None), timeout=20)
+        outgoing.put(b"before")
+        assert next(replies) == b"before"
+        outgoing.put(b"the key is " + key)
+        echoed = next(replies)
+        assert key not in echoed and echoed.startswith(b"the key is ")
+        outgoing.put(b"after")
+        assert next(replies) == b"after"
+        outgoing.put(None)
+        assert list(replies) == []
+    [event] = forwarded(grpc_proxy, 1)
+    assert isinstance(event, RequestAllowed) and event.complete and event.redactions == 1
