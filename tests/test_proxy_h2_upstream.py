@@ -335,8 +335,9 @@ class RawH2Server:
     ordinary frames and raw frames (hyperframe) for the hostile ones. What it serves depends on
     the path (see `respond`); `connections` counts accepted connections."""
 
-    def __init__(self, max_streams: int | None = None) -> None:
+    def __init__(self, max_streams: int | None = None, window: int | None = None) -> None:
         self.max_streams = max_streams
+        self.window = window  # SETTINGS_INITIAL_WINDOW_SIZE (0: never takes a body)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.connections = 0
@@ -366,6 +367,8 @@ class RawH2Server:
         conn.initiate_connection()
         if self.max_streams is not None:
             conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 1})
+        if self.window is not None:
+            conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.window})
         sock.sendall(conn.data_to_send())
         paths: dict[int, bytes] = {}
         trailers: dict[int, list[tuple[bytes, bytes]]] = {}
@@ -662,3 +665,27 @@ def test_http1_agent_chunked_trailers_reach_an_h2_upstream(start, nginx: Nginx, 
     )
     assert b" 200 " in answer.split(b"\r\n")[0]
     assert raw.request_trailers == [[(b"x-digest", b"sha-256=2")]]  # no credential field
+
+
+def test_an_upstream_that_never_opens_its_window_stalls_one_request(start, nginx: Nginx) -> None:
+    """SETTINGS_INITIAL_WINDOW_SIZE 0 and no WINDOW_UPDATE: the request body waits
+    `h2_stall_timeout`, then its stream is reset and the agent reads a 502; the proxy goes on."""
+    server = RawH2Server(window=0)
+    try:
+        proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]', limits="h2_stall_timeout = 1")
+        started = time.monotonic()
+        done = curl(
+            "-x",
+            proxy.url,
+            "-w",
+            "\\n%{http_code}",
+            "--data-binary",
+            "x" * 100_000,
+            f"http://plain.test:{server.port}/ok",
+        )
+        assert done.stdout.rpartition("\n")[2] == "502", done.stdout
+        assert time.monotonic() - started < 10
+        again = curl("-x", proxy.url, f"http://plain.test:{server.port}/ok")
+        assert again.stdout == "ok:/ok"
+    finally:
+        server.close()
