@@ -597,6 +597,15 @@ def test_hostile_upstream_ends_its_stream_only(start, nginx: Nginx, raw, path: s
         assert again.stdout == "ok:/ok", (gateway, again.stdout, again.stderr)
     refused = [e for e in proxy.events() if isinstance(e, RequestRefused)]
     assert len(refused) == 1 and refused[0].status == 502
+    # The journal says why: the stream's reset, or the limit that ended the connection.
+    why = {
+        "/reset": "upstream reset the stream (error 2)",
+        "/settings-flood": "h2_settings_flood",
+        "/ping-flood": "h2_ping_flood",
+        "/big-headers": "h2_header_list",  # the HPACK-decoded size (Huffman: 62.5 KiB sent)
+        "/continuation": "h2_continuation",
+    }[path]
+    assert why in refused[0].message, refused[0].message
     assert proxy.process.poll() is None
 
 

@@ -305,14 +305,14 @@ async def _send_replayable(
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise _UpstreamBroken(str(exc)) from None
             response = await _read_response_head(conn, plan, upstream, head.method, deadline)
-        except _UpstreamBroken:
+        except _UpstreamBroken as exc:
             upstream.close()
             conn.upstream = None
             if upstream.reused and not fresh:
                 upstream = None
                 fresh = True
                 continue  # the pooled connection had gone stale: once more, fresh
-            raise Refused(_upstream_closed(plan)) from None
+            raise Refused(_upstream_closed(plan, upstream, exc)) from None
         if body:
             assert conn.progress is not None
             conn.progress.bytes_up = len(body)
@@ -365,8 +365,8 @@ async def _send_streaming(
         response = await _read_response_head(
             conn, plan, upstream, head.method, time.monotonic() + conn.limits.read_timeout
         )
-    except _UpstreamBroken:
-        raise Refused(_upstream_closed(plan)) from None
+    except _UpstreamBroken as exc:
+        raise Refused(_upstream_closed(plan, upstream, exc)) from None
     return upstream, response
 
 
@@ -384,8 +384,8 @@ async def _serve_duplex(conn: ClientConnection, plan: Forward, head: http1.Reque
         return await relay_response(conn, plan, head, upstream_, response)
     try:
         await _send_upstream(conn, upstream, plan.upstream_head(None, chunked=True))
-    except _UpstreamBroken:
-        raise Refused(_upstream_closed(plan)) from None
+    except _UpstreamBroken as exc:
+        raise Refused(_upstream_closed(plan, upstream, exc)) from None
     progress = conn.progress
     assert progress is not None
     failure: Exception | None = None
@@ -397,8 +397,8 @@ async def _serve_duplex(conn: ClientConnection, plan: Forward, head: http1.Reque
                 response = await _read_response_head(
                     conn, plan, upstream, head.method, time.monotonic() + conn.limits.read_timeout
                 )
-            except _UpstreamBroken:
-                raise Refused(_upstream_closed(plan)) from None
+            except _UpstreamBroken as exc:
+                raise Refused(_upstream_closed(plan, upstream, exc)) from None
             keep = await relay_response(conn, plan, head, upstream, response)
         except Exception as exc:
             # Raised outside the nursery, as it is (a refusal, the agent gone...): never
@@ -444,11 +444,15 @@ async def _pump_body(conn: ClientConnection, stream: H2Stream, reader: http1.Bod
         stream.abort(f"request body: {exc}")
 
 
-def _upstream_closed(plan: Forward) -> Refuse:
+def _upstream_closed(
+    plan: Forward, upstream: UpstreamConnection | None = None, exc: Exception | None = None
+) -> Refuse:
+    # An HTTP/2 stream says why it ended (a reset, a GOAWAY, a limit of the connection).
+    why = f" ({exc})" if upstream is not None and upstream.multiplexed and str(exc) else ""
     return plan.request.refused(
         502,
         "upstream_failed",
-        f"{plan.host} closed the connection",
+        f"{plan.host} closed the connection{why}",
         rule="upstream_closed",
         close=True,
     )
