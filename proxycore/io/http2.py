@@ -7,7 +7,11 @@ preface (prior knowledge, RFC 9113 3.3). `H2Session` then owns the socket: one t
 and feeds the sans-IO `H2Server` (proxycore/protocol/http2), which enforces the connection's
 limits (an attack ends the connection with GOAWAY and a `request_refused` event, route
 "connection", naming the rule); every write goes through one lock, so what h2 queued goes out
-in order and never piles up: a stream queues one frame and writes it before the next.
+in order and never piles up: a stream queues one frame and writes it before the next. The
+frames that end a response (its last DATA, or a head with END_STREAM) are only queued and the
+writer task is woken: it writes everything the streams queued in the same scheduling round
+with one send (one syscall for many streams), unless more than `BATCH_BYTES` are queued, when
+the stream writes them itself and so waits for the client (backpressure, as before).
 
 Each stream is served by its own `ClientConnection` (the same class as an HTTP/1.1 connection)
 over a `StreamPipe`: its input is the stream's request written as an HTTP/1.1 head
@@ -71,6 +75,10 @@ __all__ = [
     "serve_http2",
     "serve_http2_upgrade",
 ]
+
+
+# Above this many queued bytes a stream writes them itself instead of leaving them to the writer.
+BATCH_BYTES = 65536
 
 
 class PrefaceReceived(Exception):
@@ -228,9 +236,27 @@ class H2Session:
     def kick(self) -> None:
         self.dirty.set()
 
+    async def batched(self) -> None:
+        """A stream queued frames that may wait for the writer's next round: wake it, or write
+        them now when too much is queued (the stream then waits for the client)."""
+        if self.lock.locked() or self.server.pending > BATCH_BYTES:
+            await self.flush()
+        else:
+            self.kick()
+
     async def flush(self) -> None:
-        async with self.lock:
+        """Write what h2 queued. The lock is held only while a write waits for the client: taken
+        without a checkpoint (trio's `async with lock` yields while holding it, which made every
+        other stream wait a scheduling round, and took a round itself)."""
+        lock = self.lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             await self.send_locked()
+        finally:
+            lock.release()
 
     async def send_locked(self) -> None:
         """Write what h2 queued (the caller holds the lock). A client that reads nothing for
@@ -570,36 +596,39 @@ class StreamPipe(PlainStream):
     async def _headers(
         self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool, flush: bool = True
     ) -> None:
+        # h2's state changes at once (no await); what it queued goes out in order, with the
+        # writer's next round (a whole response) or now (`flush`).
         session = self._session
-        async with session.lock:
-            if not session.server.send_headers(self.stream_id, status, fields, end=end):
-                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
-            if flush:
-                await session.send_locked()
+        if not session.server.send_headers(self.stream_id, status, fields, end=end):
+            raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
         if end:
             self._done = True
+            await session.batched()
+        elif flush:
+            await session.flush()
 
     async def _data(self, piece: bytes, *, end: bool) -> None:
         session, server = self._session, self._session.server
         view = memoryview(piece)
         while view or end:
-            async with session.lock:
-                window = server.send_window(self.stream_id)
-                if not server.is_live(self.stream_id):
-                    raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
-                if window or not view:
-                    take = min(len(view), window)
-                    last = end and take == len(view)
-                    if server.send_data(self.stream_id, view[:take], end=last) < 0:
-                        raise trio.BrokenResourceError(self.broken or "stream closed")
-                    view = view[take:]
-                    await session.send_locked()
-                    if last:
-                        self._done = True
-                        return
-                    continue
-                self._writable = trio.Event()
-                await session.send_locked()  # what is queued (a head) goes out meanwhile
+            window = server.send_window(self.stream_id)
+            if not server.is_live(self.stream_id):
+                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
+            if window or not view:
+                take = min(len(view), window)
+                last = end and take == len(view)
+                if server.send_data(self.stream_id, view[:take], end=last) < 0:
+                    raise trio.BrokenResourceError(self.broken or "stream closed")
+                view = view[take:]
+                if last:
+                    # The response is whole: written with its siblings' in the writer's round.
+                    self._done = True
+                    await session.batched()
+                    return
+                await session.flush()  # a frame at a time: the client's pace
+                continue
+            self._writable = trio.Event()
+            await session.flush()  # what is queued (a head) goes out meanwhile
             await self._wait_for_window()
 
     async def _wait_for_window(self) -> None:

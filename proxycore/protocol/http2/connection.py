@@ -365,6 +365,11 @@ class H2Server:
         self._queued_control = 0
         return self._h2.data_to_send()
 
+    @property
+    def pending(self) -> int:
+        """Bytes queued for the client and not yet taken by data_to_send()."""
+        return len(self._h2._data_to_send)
+
     def is_live(self, stream_id: int) -> bool:
         return stream_id in self._live
 
