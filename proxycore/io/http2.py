@@ -239,8 +239,8 @@ class H2Session:
     async def batched(self) -> None:
         """A stream queued frames that may wait for the writer's next round: wake it, or write
         them now when too much is queued (the stream then waits for the client)."""
-        if self.lock.locked() or self.server.pending > BATCH_BYTES:
-            await self.flush()
+        if len(self.pipes) <= 1 or self.lock.locked() or self.server.pending > BATCH_BYTES:
+            await self.flush()  # alone (nothing to batch with), or too much queued
         else:
             self.kick()
 
@@ -475,8 +475,9 @@ class StreamPipe(PlainStream):
         self._done = False  # the response's END_STREAM went out
         self._out = bytearray()  # a response head not yet complete
         self._reader: http1.BodyReader | None = None
-        self._readable = trio.Event()
-        self._writable = trio.Event()
+        # Created when a side has to wait (most streams never do).
+        self._readable: trio.Event | None = None
+        self._writable: trio.Event | None = None
         self.broken: str | None = None
         self.exchange: ClientConnection | None = None
 
@@ -485,7 +486,7 @@ class StreamPipe(PlainStream):
     def feed_head(self, head: bytes, *, chunked: bool) -> None:
         self._chunked = chunked
         self._body.append((head, 0))
-        self._readable.set()
+        self._wake_reader()
 
     def feed_body(self, data: bytes, flow_length: int, *, ended: bool) -> None:
         if data and self._chunked:
@@ -494,32 +495,37 @@ class StreamPipe(PlainStream):
             self._body.append((data, flow_length))
         if ended:
             self.end_body()
-        self._readable.set()
+        self._wake_reader()
 
     def end_body(self) -> None:
         if not self._eof:
             self._eof = True
             if self._chunked:
                 self._body.append((http1.LAST_CHUNK, 0))
-        self._readable.set()
+        self._wake_reader()
 
     def input_closed(self) -> None:
         """The agent will send nothing more on the connection: reads end (b"") once what
         arrived is taken; a body not ended by END_STREAM is short, and its reader says so."""
         self._eof = True
-        self._readable.set()
+        self._wake_reader()
 
     def break_off(self, why: str) -> None:
         """The stream (or the whole connection) is gone: the exchange ends, naming why."""
         if self.broken is None:
             self.broken = why
-        self._readable.set()
-        self._writable.set()
+        self._wake_reader()
+        self.wake_sender()
         if self.exchange is not None and not self._done:
             self.exchange.end(why)
 
+    def _wake_reader(self) -> None:
+        if self._readable is not None:
+            self._readable.set()
+
     def wake_sender(self) -> None:
-        self._writable.set()
+        if self._writable is not None:
+            self._writable.set()
 
     def try_receive(self, max_bytes: int) -> bytes | None:
         if self.broken is not None:
@@ -542,8 +548,8 @@ class StreamPipe(PlainStream):
             data = self.try_receive(max_bytes)
             if data is not None:
                 return data
-            self._readable = trio.Event()
-            await self._readable.wait()
+            readable = self._readable = trio.Event()
+            await readable.wait()
 
     async def receive(self, max_bytes: int) -> bytes:
         return await self.receive_after_wait(max_bytes)
@@ -627,15 +633,17 @@ class StreamPipe(PlainStream):
                     return
                 await session.flush()  # a frame at a time: the client's pace
                 continue
-            self._writable = trio.Event()
+            writable = self._writable = trio.Event()
             await session.flush()  # what is queued (a head) goes out meanwhile
-            await self._wait_for_window()
+            await self._wait_for_window(writable)
 
-    async def _wait_for_window(self) -> None:
+    async def _wait_for_window(self, writable: trio.Event) -> None:
         """A zero window: wait for the client to open it, at most `stall_timeout`."""
         session = self._session
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
         with trio.move_on_after(session.limits.stall_timeout) as scope:
-            await self._writable.wait()
+            await writable.wait()
         if self.broken is not None:
             raise trio.BrokenResourceError(self.broken)
         if scope.cancelled_caught:
