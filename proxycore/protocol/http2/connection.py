@@ -404,8 +404,11 @@ class H2Server:
         if not 100 <= status <= 999 or status == 101 or (interim and end):
             return False
         fields = [(b":status", b"%d" % status)]
-        fields += [(n, v) for n, v in headers if _NAME_RE.fullmatch(n) and _VALUE_RE.fullmatch(v)]
-        fields = [(n, v) for n, v in fields if n not in _CONNECTION_SPECIFIC]
+        fields += [
+            (n, v)
+            for n, v in headers
+            if n not in _CONNECTION_SPECIFIC and _NAME_RE.fullmatch(n) and _VALUE_RE.fullmatch(v)
+        ]
         if not self._send(lambda: self._h2.send_headers(stream_id, fields, end_stream=end)):
             return False
         if not interim:
