@@ -215,6 +215,7 @@ class H2Session:
             with trio.move_on_after(idle) as scope:
                 data = await sock.receive(RECV_SIZE)
             if scope.cancelled_caught:
+                data = b""  # nothing new arrived (never the last input again)
                 if self.pipes:
                     continue  # the streams have their own deadlines
                 server.graceful_goaway()
