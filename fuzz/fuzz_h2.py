@@ -137,7 +137,10 @@ class _Checker:
                 self.data_sent += frame.flow_controlled_length
                 assert self.data_sent <= self.window, "DATA beyond the connection window"
             else:
-                status = dict(self.decoder.decode(frame.data, raw=True)).get(b":status", b"0")
+                fields = self.decoder.decode(frame.data, raw=True)
+                # Our encoder (hpack_out.py) never indexes: the client's table stays empty.
+                assert not self.decoder.header_table.dynamic_entries
+                status = dict(fields).get(b":status", b"0")
                 assert sid not in self.answered, "a second response head on the stream"
                 if int(status) >= 200:
                     self.answered.add(sid)
@@ -214,8 +217,11 @@ def _act(r: _Reader, server: H2Server, live: list[int], checker: _Checker) -> No
     for sid in list(live):
         action = r.byte() % 7
         if action == 0:
-            name = (b"content-type", b"Bad-Case", b"connection", b"x-y")[r.byte() % 4]
-            value = (b"text/plain", b" padded", b"a\r\nb", b"")[r.byte() % 4]
+            name = (b"content-type", b"Bad-Case", b"connection", b"x-y", b"set-cookie")[
+                r.byte() % 5
+            ]
+            value = (b"text/plain", b" padded", b"a\r\nb", b"", b"")[r.byte() % 5]
+            value = value or r.bytes(r.byte() % 200)  # any bytes: the stateless encoder's input
             server.send_headers(sid, 200, [(name, value)], end=False)
         elif action == 1:
             server.send_headers(sid, 100 + r.byte() % 400, [], end=r.byte() & 1 == 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -227,3 +228,35 @@ def test_upgrade_h2c_with_a_body_is_answered_in_http1(proxy: RunningProxy) -> No
         timeout=20,
     )
     assert done.stdout.endswith("\n1.1 200"), (done.stdout, done.stderr)
+
+
+def test_idle_timeout_with_streams_in_flight_leaves_the_connection_alone(
+    make_proxy, provider: FakeServer
+) -> None:
+    """The agent sends nothing for longer than the keep-alive timeout while responses stream:
+    the connection stays (the streams have their own deadlines), and the reader never takes its
+    last input (here a request head) for new input."""
+    import h2.events
+
+    proxy = make_proxy(extra="[limits]\nidle_keepalive_timeout = 0.5\n")
+    with H2Client(proxy) as client:
+        for stream_id in (1, 3):
+            client.h2.send_headers(
+                stream_id, client.headers("/anthropic/sse?n=3&delay=0.7"), end_stream=True
+            )
+            client.sock.sendall(client.h2.data_to_send())
+            time.sleep(0.2)  # two reads: the last one the proxy got is stream 3's head
+        bodies = {1: b"", 3: b""}
+        ended: set[int] = set()
+        while ended != {1, 3}:
+            data = client.sock.recv(65536)
+            assert data, "the connection closed"
+            for event in client.h2.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    bodies[event.stream_id] += event.data
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended.add(event.stream_id)
+                elif isinstance(event, h2.events.StreamReset):
+                    raise AssertionError(f"stream {event.stream_id} reset")
+        assert all(body.count(b"event: tick") == 3 for body in bodies.values()), bodies
+        assert client.get(5, "/_appliance/health")[0] == 200

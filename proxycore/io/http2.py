@@ -7,7 +7,11 @@ preface (prior knowledge, RFC 9113 3.3). `H2Session` then owns the socket: one t
 and feeds the sans-IO `H2Server` (proxycore/protocol/http2), which enforces the connection's
 limits (an attack ends the connection with GOAWAY and a `request_refused` event, route
 "connection", naming the rule); every write goes through one lock, so what h2 queued goes out
-in order and never piles up: a stream queues one frame and writes it before the next.
+in order and never piles up: a stream queues one frame and writes it before the next. The
+frames that end a response (its last DATA, or a head with END_STREAM) are only queued and the
+writer task is woken: it writes everything the streams queued in the same scheduling round
+with one send (one syscall for many streams), unless more than `BATCH_BYTES` are queued, when
+the stream writes them itself and so waits for the client (backpressure, as before).
 
 Each stream is served by its own `ClientConnection` (the same class as an HTTP/1.1 connection)
 over a `StreamPipe`: its input is the stream's request written as an HTTP/1.1 head
@@ -74,6 +78,10 @@ __all__ = [
     "serve_http2",
     "serve_http2_upgrade",
 ]
+
+
+# Above this many queued bytes a stream writes them itself instead of leaving them to the writer.
+BATCH_BYTES = 65536
 
 
 class PrefaceReceived(Exception):
@@ -210,6 +218,7 @@ class H2Session:
             with trio.move_on_after(idle) as scope:
                 data = await sock.receive(RECV_SIZE)
             if scope.cancelled_caught:
+                data = b""  # nothing new arrived (never the last input again)
                 if self.pipes:
                     continue  # the streams have their own deadlines
                 server.graceful_goaway()
@@ -231,9 +240,27 @@ class H2Session:
     def kick(self) -> None:
         self.dirty.set()
 
+    async def batched(self) -> None:
+        """A stream queued frames that may wait for the writer's next round: wake it, or write
+        them now when too much is queued (the stream then waits for the client)."""
+        if len(self.pipes) <= 1 or self.lock.locked() or self.server.pending > BATCH_BYTES:
+            await self.flush()  # alone (nothing to batch with), or too much queued
+        else:
+            self.kick()
+
     async def flush(self) -> None:
-        async with self.lock:
+        """Write what h2 queued. The lock is held only while a write waits for the client: taken
+        without a checkpoint (trio's `async with lock` yields while holding it, which made every
+        other stream wait a scheduling round, and took a round itself)."""
+        lock = self.lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             await self.send_locked()
+        finally:
+            lock.release()
 
     async def send_locked(self) -> None:
         """Write what h2 queued (the caller holds the lock). A client that reads nothing for
@@ -463,8 +490,9 @@ class StreamPipe(PlainStream):
         self._done = False  # the response's END_STREAM went out
         self._out = bytearray()  # a response head not yet complete
         self._reader: http1.BodyReader | None = None
-        self._readable = trio.Event()
-        self._writable = trio.Event()
+        # Created when a side has to wait (most streams never do).
+        self._readable: trio.Event | None = None
+        self._writable: trio.Event | None = None
         self.broken: str | None = None
         self.exchange: ClientConnection | None = None
 
@@ -473,7 +501,7 @@ class StreamPipe(PlainStream):
     def feed_head(self, head: bytes, *, chunked: bool) -> None:
         self._chunked = chunked
         self._body.append((head, 0))
-        self._readable.set()
+        self._wake_reader()
 
     def feed_body(self, data: bytes, flow_length: int, *, ended: bool) -> None:
         if data and self._chunked:
@@ -482,7 +510,7 @@ class StreamPipe(PlainStream):
             self._body.append((data, flow_length))
         if ended:
             self.end_body()
-        self._readable.set()
+        self._wake_reader()
 
     def feed_trailers(self, fields: tuple[tuple[bytes, bytes], ...]) -> None:
         """The request's trailer section: it ends a chunked body (a body with a length has
@@ -498,25 +526,30 @@ class StreamPipe(PlainStream):
             self._eof = True
             if self._chunked:
                 self._body.append((http1.LAST_CHUNK, 0))
-        self._readable.set()
+        self._wake_reader()
 
     def input_closed(self) -> None:
         """The agent will send nothing more on the connection: reads end (b"") once what
         arrived is taken; a body not ended by END_STREAM is short, and its reader says so."""
         self._eof = True
-        self._readable.set()
+        self._wake_reader()
 
     def break_off(self, why: str) -> None:
         """The stream (or the whole connection) is gone: the exchange ends, naming why."""
         if self.broken is None:
             self.broken = why
-        self._readable.set()
-        self._writable.set()
+        self._wake_reader()
+        self.wake_sender()
         if self.exchange is not None and not self._done:
             self.exchange.end(why)
 
+    def _wake_reader(self) -> None:
+        if self._readable is not None:
+            self._readable.set()
+
     def wake_sender(self) -> None:
-        self._writable.set()
+        if self._writable is not None:
+            self._writable.set()
 
     def try_receive(self, max_bytes: int) -> bytes | None:
         if self.broken is not None:
@@ -539,8 +572,8 @@ class StreamPipe(PlainStream):
             data = self.try_receive(max_bytes)
             if data is not None:
                 return data
-            self._readable = trio.Event()
-            await self._readable.wait()
+            readable = self._readable = trio.Event()
+            await readable.wait()
 
     async def receive(self, max_bytes: int) -> bytes:
         return await self.receive_after_wait(max_bytes)
@@ -602,14 +635,16 @@ class StreamPipe(PlainStream):
     async def _headers(
         self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool, flush: bool = True
     ) -> None:
+        # h2's state changes at once (no await); what it queued goes out in order, with the
+        # writer's next round (a whole response) or now (`flush`).
         session = self._session
-        async with session.lock:
-            if not session.server.send_headers(self.stream_id, status, fields, end=end):
-                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
-            if flush:
-                await session.send_locked()
+        if not session.server.send_headers(self.stream_id, status, fields, end=end):
+            raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
         if end:
             self._done = True
+            await session.batched()
+        elif flush:
+            await session.flush()
 
     async def _trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
         session = self._session
@@ -623,30 +658,33 @@ class StreamPipe(PlainStream):
         session, server = self._session, self._session.server
         view = memoryview(piece)
         while view or end:
-            async with session.lock:
-                window = server.send_window(self.stream_id)
-                if not server.is_live(self.stream_id):
-                    raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
-                if window or not view:
-                    take = min(len(view), window)
-                    last = end and take == len(view)
-                    if server.send_data(self.stream_id, view[:take], end=last) < 0:
-                        raise trio.BrokenResourceError(self.broken or "stream closed")
-                    view = view[take:]
-                    await session.send_locked()
-                    if last:
-                        self._done = True
-                        return
-                    continue
-                self._writable = trio.Event()
-                await session.send_locked()  # what is queued (a head) goes out meanwhile
-            await self._wait_for_window()
+            window = server.send_window(self.stream_id)
+            if not server.is_live(self.stream_id):
+                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
+            if window or not view:
+                take = min(len(view), window)
+                last = end and take == len(view)
+                if server.send_data(self.stream_id, view[:take], end=last) < 0:
+                    raise trio.BrokenResourceError(self.broken or "stream closed")
+                view = view[take:]
+                if last:
+                    # The response is whole: written with its siblings' in the writer's round.
+                    self._done = True
+                    await session.batched()
+                    return
+                await session.flush()  # a frame at a time: the client's pace
+                continue
+            writable = self._writable = trio.Event()
+            await session.flush()  # what is queued (a head) goes out meanwhile
+            await self._wait_for_window(writable)
 
-    async def _wait_for_window(self) -> None:
+    async def _wait_for_window(self, writable: trio.Event) -> None:
         """A zero window: wait for the client to open it, at most `stall_timeout`."""
         session = self._session
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
         with trio.move_on_after(session.limits.stall_timeout) as scope:
-            await self._writable.wait()
+            await writable.wait()
         if self.broken is not None:
             raise trio.BrokenResourceError(self.broken)
         if scope.cancelled_caught:

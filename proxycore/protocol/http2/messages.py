@@ -50,6 +50,7 @@ _CONNECTION_SPECIFIC = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 )
 _RESPONSE_DROP = http1.HOP_BY_HOP | _CONNECTION_SPECIFIC
+_CLOSE_DROP = _RESPONSE_DROP | {b"close"}
 
 
 class MessageRefused(Exception):
@@ -134,8 +135,15 @@ def request_head(request: RequestReceived, gateway: str) -> bytes:
 def response_fields(head: http1.ResponseHead) -> list[tuple[bytes, bytes]]:
     """An HTTP/1.1 response head's fields for an HTTP/2 response: lowercase names, no
     connection-specific fields (nor any field a Connection value names)."""
+    fields = head.headers
+    connection = [value for name, value in fields if name == b"connection"]
+    if all(value.lower() == b"close" for value in connection):
+        # The common case (our exchange ends each stream's exchange with "connection: close"):
+        # the only field a Connection value nominates is "close" (RFC 9110 7.6.1).
+        drop = _CLOSE_DROP if connection else _RESPONSE_DROP
+        return [(name, value) for name, value in fields if name not in drop]
     return [
         (name, value)
-        for name, value in http1.strip_hop_by_hop(head.headers, keep_underscores=True)
+        for name, value in http1.strip_hop_by_hop(fields, keep_underscores=True)
         if name not in _RESPONSE_DROP
     ]

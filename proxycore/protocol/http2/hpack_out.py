@@ -1,0 +1,107 @@
+"""The HPACK encoder of our responses: stateless (no dynamic table), each field cached.
+
+Theory of operation
+-------------------
+h2 encodes a response head by calling `encoder.encode(fields)` on its connection's encoder
+(`H2Connection.encoder`); `H2Server` puts a `StatelessEncoder` there. It writes every field as
+an index into HPACK's static table when the whole field is in it (RFC 7541 6.1), else as a
+literal that is never added to the client's dynamic table (6.2.2 "without indexing", or 6.2.3
+"never indexed" for the fields that carry secrets), the name as a static index when the table
+has it, strings without Huffman coding (5.2). Nothing it writes changes the decoder's state, so:
+
+- encoding a field is a pure function of the field, and its bytes are cached (one bounded dict
+  for the process: the same bytes for every connection, so nothing is held per connection;
+  fields that carry secrets are never cached);
+  h2's own encoder (hpack.Encoder) searched its tables and re-encoded every field of every
+  response: the largest single cost of a small response (bench/bench_h2.py, docs/benchmarks.md);
+- a head that h2 refuses after encoding cannot leave the client's decoder out of step;
+- no response field can serve as a compression oracle on another (the dynamic table is shared by
+  every stream of the connection: CRIME-like probing, RFC 7541 7.1).
+
+The price is bytes on the wire: a repeated field costs its literal each time instead of one
+octet. A client's SETTINGS_HEADER_TABLE_SIZE is accepted and needs no answer: an encoder that
+never inserts never has to signal a table size update (RFC 7541 4.2, 6.3).
+
+The request side keeps hpack's Decoder (h2's), which enforces the header list size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hpack.table import HeaderTable
+
+__all__ = ["StatelessEncoder", "encode_field"]
+
+# RFC 7541 Appendix A: index 1..61.
+_STATIC_FIELD: dict[tuple[bytes, bytes], int] = {}
+_STATIC_NAME: dict[bytes, int] = {}
+for _index, (_name, _value) in enumerate(HeaderTable.STATIC_TABLE, start=1):
+    _STATIC_FIELD.setdefault((_name, _value), _index)
+    _STATIC_NAME.setdefault(_name, _index)
+
+# Fields whose values are secrets or guessable ones: never indexed (RFC 7541 7.1.3), as h2's own
+# normalization marks them.
+_SENSITIVE = frozenset({b"authorization", b"proxy-authorization", b"cookie", b"set-cookie"})
+
+_CACHE_LIMIT = 1024
+_cache: dict[tuple[bytes, bytes], bytes] = {}
+
+
+def _integer(value: int, prefix_bits: int, first: int) -> bytes:
+    """RFC 7541 5.1: `value` with an N-bit prefix, `first` holding the octet's other bits."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _string(data: bytes) -> bytes:
+    """RFC 7541 5.2: a string literal, without Huffman coding."""
+    return _integer(len(data), 7, 0) + data
+
+
+def encode_field(name: bytes, value: bytes) -> bytes:
+    """One field's representation (RFC 7541 6.1, 6.2.2, 6.2.3); never a dynamic-table one."""
+    index = _STATIC_FIELD.get((name, value))
+    if index is not None:
+        return _integer(index, 7, 0x80)
+    first = 0x10 if name in _SENSITIVE else 0x00
+    name_index = _STATIC_NAME.get(name)
+    if name_index is not None:
+        return _integer(name_index, 4, first) + _string(value)
+    return bytes((first,)) + _string(name) + _string(value)
+
+
+class StatelessEncoder:
+    """What h2 needs of an encoder (`encode`, a settable `header_table_size`)."""
+
+    __slots__ = ("header_table_size",)
+
+    def __init__(self) -> None:
+        self.header_table_size = 4096  # the client's setting: nothing to do with it
+
+    def encode(self, headers: Iterable[tuple[bytes, bytes]], huffman: bool = True) -> bytes:
+        cache = _cache
+        out = []
+        for field in headers:
+            # h2 hands over tuples (HeaderTuple subclasses among them): the key is the pair.
+            name, value = field[0], field[1]
+            key = (name, value)
+            encoded = cache.get(key)
+            if encoded is None:
+                encoded = encode_field(name, value)
+                if name in _SENSITIVE:
+                    out.append(encoded)
+                    continue
+                if len(cache) >= _CACHE_LIMIT:
+                    cache.clear()
+                cache[key] = encoded
+            out.append(encoded)
+        return b"".join(out)
