@@ -519,7 +519,7 @@ class StreamPipe(PlainStream):
             self._eof = True
             if self._chunked:
                 self._body.append((section(relayable(fields, request=True)), 0))
-        self._readable.set()
+        self._wake_reader()
 
     def end_body(self) -> None:
         if not self._eof:
