@@ -18,17 +18,8 @@ from dataclasses import dataclass, field
 import h2.config
 import h2.connection
 import h2.events
-import hpack
 import trio
-from hyperframe.frame import (
-    ContinuationFrame,
-    DataFrame,
-    GoAwayFrame,
-    HeadersFrame,
-    PingFrame,
-    RstStreamFrame,
-    SettingsFrame,
-)
+from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from proxycore.protocol.http2 import PREFACE, ErrorCode
 from tests import chaos_peers as peers
@@ -36,80 +27,12 @@ from tests.chaos_attacks import MARGIN, Attack
 from tests.chaos_support import PEER_NAME
 from tests.chaos_world import reset_close
 from tests.h2_client import parse_frames
+from tests.h2_floods import FLOODS, FrameMaker
 
 FLOOD_AUTHORITY = f"{PEER_NAME}:{peers.SILENT}".encode()
 
 
-# --- the floods, as raw frames ------------------------------------------------------------------
-
-
-class Flood:
-    """One connection's frames: a request helper with its own HPACK encoder."""
-
-    def __init__(self) -> None:
-        self.encoder = hpack.Encoder()
-        self.streams = 0  # HEADERS frames sent whole (an upper bound of streams started)
-
-    def request(self) -> list[tuple[bytes, bytes]]:
-        return [
-            (b":method", b"GET"),
-            (b":scheme", b"http"),
-            (b":authority", FLOOD_AUTHORITY),
-            (b":path", b"/flood"),
-        ]
-
-    def headers(self, stream_id: int, *, end: bool = True) -> bytes:
-        self.streams += 1
-        flags = ["END_HEADERS", "END_STREAM"] if end else ["END_HEADERS"]
-        return HeadersFrame(stream_id, self.encoder.encode(self.request()), flags=flags).serialize()
-
-
-def rapid_reset(flood: Flood) -> bytes:
-    """CVE-2023-44487."""
-    return b"".join(
-        flood.headers(i) + RstStreamFrame(i, error_code=ErrorCode.CANCEL).serialize()
-        for i in range(1, 1201, 2)
-    )
-
-
-def continuation_flood(flood: Flood) -> bytes:
-    block = flood.encoder.encode(flood.request())
-    return HeadersFrame(1, block[:3]).serialize() + b"".join(
-        ContinuationFrame(1, b"\x00" * 1000).serialize() for _ in range(200)
-    )
-
-
-def hpack_bomb(flood: Flood) -> bytes:
-    block = flood.encoder.encode([*flood.request(), *[(b"x-bomb", b"a" * 4000)] * 500])
-    flood.streams += 1
-    return HeadersFrame(1, block, flags=["END_HEADERS", "END_STREAM"]).serialize()
-
-
-def settings_flood(flood: Flood) -> bytes:
-    return SettingsFrame(0, settings={SettingsFrame.ENABLE_PUSH: 0}).serialize() * 5000
-
-
-def ping_flood(flood: Flood) -> bytes:
-    return PingFrame(0, b"flooding").serialize() * 5000
-
-
-def too_many_streams(flood: Flood) -> bytes:
-    return b"".join(flood.headers(i, end=False) for i in range(1, 203, 2))
-
-
-def empty_frames(flood: Flood) -> bytes:
-    return flood.headers(1, end=False) + DataFrame(1, b"").serialize() * 100
-
-
-FLOODS: dict[str, tuple[Callable[[Flood], bytes], int, str]] = {
-    "rapid_reset": (rapid_reset, ErrorCode.ENHANCE_YOUR_CALM, "h2_rapid_reset"),
-    "continuation_flood": (continuation_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_continuation"),
-    "hpack_bomb": (hpack_bomb, ErrorCode.ENHANCE_YOUR_CALM, "h2_header_list"),
-    "settings_flood": (settings_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_settings_flood"),
-    "ping_flood": (ping_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_ping_flood"),
-    "too_many_streams": (too_many_streams, ErrorCode.PROTOCOL_ERROR, "h2_max_concurrent_streams"),
-    "empty_frames": (empty_frames, ErrorCode.ENHANCE_YOUR_CALM, "h2_empty_frames"),
-}
+# --- the floods (tests/h2_floods.py) ------------------------------------------------------------
 
 
 @dataclass
@@ -127,7 +50,7 @@ async def floods(attack: Attack, tally: FloodTally, rounds: int = 2) -> None:
     async def one(name: str) -> None:
         build, code, rule = FLOODS[name]
         stream = await attack.chaos.connect_a()
-        flood = Flood()
+        flood = FrameMaker(FLOOD_AUTHORITY, b"/flood")
         data = PREFACE + SettingsFrame(0).serialize() + build(flood)
         tally.streams += flood.streams
         tally.connections[rule] = tally.connections.get(rule, 0) + 1

@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
 
 import hpack
 import pytest
 from hyperframe.frame import (
-    ContinuationFrame,
-    DataFrame,
     GoAwayFrame,
     HeadersFrame,
-    PingFrame,
-    RstStreamFrame,
     SettingsFrame,
     WindowUpdateFrame,
 )
@@ -26,34 +21,18 @@ from proxycore.protocol.events import RequestAllowed, RequestErrored, RequestRef
 from proxycore.protocol.http2 import PREFACE, ErrorCode
 from tests.conftest import RunningProxy
 from tests.h2_client import H2Client, goaway_code, parse_frames, resets
+from tests.h2_floods import FLOODS, FrameMaker
 
 MAX_STREAM_ID = 2**31 - 1
 
 
-class RawConnection:
+class RawConnection(FrameMaker):
     """A client that speaks HTTP/2 frames by hand (one HPACK encoder for its header blocks)."""
 
     def __init__(self, proxy: RunningProxy) -> None:
+        super().__init__(f"{proxy.host}:{proxy.port}".encode())
         self.sock = socket.create_connection((proxy.host, proxy.port), timeout=10)
-        self.encoder = hpack.Encoder()
-        self.authority = f"{proxy.host}:{proxy.port}".encode()
         self.sock.sendall(PREFACE + SettingsFrame(0).serialize())
-
-    def request(self, path: bytes = b"/_appliance/health") -> list[tuple[bytes, bytes]]:
-        return [
-            (b":method", b"GET"),
-            (b":scheme", b"http"),
-            (b":authority", self.authority),
-            (b":path", path),
-        ]
-
-    def headers(
-        self, stream_id: int, *, end: bool = True, path: bytes = b"/_appliance/health"
-    ) -> bytes:
-        flags = ["END_HEADERS", "END_STREAM"] if end else ["END_HEADERS"]
-        return HeadersFrame(
-            stream_id, self.encoder.encode(self.request(path)), flags=flags
-        ).serialize()
 
     def send(self, data: bytes) -> None:
         try:
@@ -86,68 +65,14 @@ def journal_rule(proxy: RunningProxy, rule: str) -> RequestRefused:
     return found[-1]
 
 
-def rapid_reset(raw: RawConnection) -> None:
-    """CVE-2023-44487: open a stream and reset it at once, over and over."""
-    data = b"".join(
-        raw.headers(i) + RstStreamFrame(i, error_code=ErrorCode.CANCEL).serialize()
-        for i in range(1, 1201, 2)
-    )
-    raw.send(data)
-
-
-def continuation_flood(raw: RawConnection) -> None:
-    """2024: a header block that never ends, CONTINUATION after CONTINUATION."""
-    block = raw.encoder.encode(raw.request())
-    data = HeadersFrame(1, block[:3]).serialize()
-    data += b"".join(ContinuationFrame(1, b"\x00" * 1000).serialize() for _ in range(200))
-    raw.send(data)
-
-
-def hpack_bomb(raw: RawConnection) -> None:
-    """A large field in the dynamic table, referenced again and again: a tiny block that
-    decodes to megabytes."""
-    fields = [*raw.request(), *[(b"x-bomb", b"a" * 4000)] * 500]
-    block = raw.encoder.encode(fields)
-    assert len(block) < 5000
-    raw.send(HeadersFrame(1, block, flags=["END_HEADERS", "END_STREAM"]).serialize())
-
-
-def settings_flood(raw: RawConnection) -> None:
-    raw.send(SettingsFrame(0, settings={SettingsFrame.ENABLE_PUSH: 0}).serialize() * 5000)
-
-
-def ping_flood(raw: RawConnection) -> None:
-    raw.send(PingFrame(0, b"flooding").serialize() * 5000)
-
-
-def too_many_streams(raw: RawConnection) -> None:
-    """101 streams held open (no END_STREAM) on a connection that allows 100."""
-    raw.send(b"".join(raw.headers(i, end=False) for i in range(1, 203, 2)))
-
-
-def empty_frames(raw: RawConnection) -> None:
-    raw.send(raw.headers(1, end=False) + DataFrame(1, b"").serialize() * 100)
-
-
-ATTACKS: dict[str, tuple[Callable[[RawConnection], None], int, str]] = {
-    "rapid_reset": (rapid_reset, ErrorCode.ENHANCE_YOUR_CALM, "h2_rapid_reset"),
-    "continuation_flood": (continuation_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_continuation"),
-    "hpack_bomb": (hpack_bomb, ErrorCode.ENHANCE_YOUR_CALM, "h2_header_list"),
-    "settings_flood": (settings_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_settings_flood"),
-    "ping_flood": (ping_flood, ErrorCode.ENHANCE_YOUR_CALM, "h2_ping_flood"),
-    "too_many_streams": (too_many_streams, ErrorCode.PROTOCOL_ERROR, "h2_max_concurrent_streams"),
-    "empty_frames": (empty_frames, ErrorCode.ENHANCE_YOUR_CALM, "h2_empty_frames"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(ATTACKS))
+@pytest.mark.parametrize("name", sorted(FLOODS))
 def test_attack_is_refused_and_the_worker_survives(proxy: RunningProxy, name: str) -> None:
-    attack, code, rule = ATTACKS[name]
+    build, code, rule = FLOODS[name]
     with H2Client(proxy) as before:
         assert before.get(1, "/_appliance/health")[0] == 200
         raw = RawConnection(proxy)
         started = time.monotonic()
-        attack(raw)
+        raw.send(build(raw))
         frames = raw.frames_until_close()
         assert time.monotonic() - started < 8, "the proxy did not end the connection"
         assert goaway_code(frames) == code, frames[-5:]
