@@ -40,6 +40,7 @@ import h2.settings
 from hyperframe.frame import GoAwayFrame
 
 from proxycore.errors import Http2ConnectionError
+from proxycore.protocol.http2.compact_settings import CompactSettings
 from proxycore.protocol.http2.endpoint import H2Endpoint, advertised_settings
 from proxycore.protocol.http2.events import (
     ConnectionEnded,
@@ -97,8 +98,8 @@ class H2Server(H2Endpoint):
         h2c.encoder = StatelessEncoder()  # type: ignore[assignment]
         # The settings advertised are the settings enforced (h2 reads local_settings for both):
         # set them before the preface rather than waiting for the client's acknowledgement.
-        h2c.remote_settings = _CompactSettings(client=True)
-        h2c.local_settings = _CompactSettings(
+        h2c.remote_settings = CompactSettings(client=True)
+        h2c.local_settings = CompactSettings(
             client=False,
             initial_values={
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
@@ -379,33 +380,6 @@ class H2Server(H2Endpoint):
     def _end(self, stream_id: int) -> bool:
         self._responded.discard(stream_id)
         return super()._end(stream_id)
-
-
-class _Values(list[int | None]):
-    """A setting's current value and the ones proposed after it: what h2 keeps in a deque
-    (`[0]`, `append`, `popleft`), in a list of one or two items. A deque allocates a block of
-    64 slots (about 760 bytes): h2's two Settings objects held eleven of them, a third of
-    what an idle HTTP/2 connection cost (bench/bench_h2.py, memory per idle connection)."""
-
-    __slots__ = ()
-
-    def popleft(self) -> int | None:
-        return self.pop(0)
-
-
-class _CompactSettings(h2.settings.Settings):
-    """h2's Settings with `_Values` for its deques (the same behaviour, a tenth of the memory)."""
-
-    def __init__(
-        self, client: bool = True, initial_values: dict[h2.settings.SettingCodes, int] | None = None
-    ) -> None:
-        super().__init__(client=client, initial_values=initial_values)
-        self._settings = {key: _Values(items) for key, items in self._settings.items()}  # type: ignore[misc]
-
-    def __setitem__(self, key: h2.settings.SettingCodes | int, value: int) -> None:
-        if key not in self._settings:
-            self._settings[key] = _Values([None])  # type: ignore[assignment]
-        super().__setitem__(key, value)
 
 
 def _rule_of(exc: h2.exceptions.ProtocolError) -> str:
