@@ -25,10 +25,33 @@ from proxycore.protocol.http2 import ErrorCode, response_fields
 from proxycore.protocol.trailers import relayable, section
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from proxycore.io.connection import ClientConnection
     from proxycore.io.http2 import H2Session
+    from proxycore.protocol.http2.endpoint import H2Endpoint
 
-__all__ = ["StreamPipe"]
+__all__ = ["StreamPipe", "take_piece"]
+
+
+def take_piece(
+    inbox: collections.deque[tuple[bytes, int]],
+    endpoint: H2Endpoint,
+    stream_id: int,
+    kick: Callable[[], None],
+) -> bytes | None:
+    """The next bytes a stream received (None: nothing yet), each piece's flow-controlled
+    length acknowledged to the peer as it is taken (`kick` has the window update written), so
+    that what a stream holds never exceeds the window we advertised. Used on both sides: the
+    agent's request bodies here, an upstream's responses in proxycore/io/upstream_h2_stream.py."""
+    while inbox:
+        data, flow = inbox.popleft()
+        if flow:
+            endpoint.acknowledge(stream_id, flow)
+            kick()
+        if data:
+            return data
+    return None
 
 
 class StreamPipe(PlainStream):
@@ -135,14 +158,10 @@ class StreamPipe(PlainStream):
             raise trio.BrokenResourceError(self.broken)
         if self._closing:
             return b""
-        body = self._body
-        while body:
-            data, flow = body.popleft()
-            if flow:
-                self._session.server.acknowledge(self.stream_id, flow)
-                self._session.kick()
-            if data:
-                return data
+        session = self._session
+        data = take_piece(self._body, session.server, self.stream_id, session.kick)
+        if data is not None:
+            return data
         return b"" if self._eof else None
 
     async def receive_after_wait(self, max_bytes: int) -> bytes:
