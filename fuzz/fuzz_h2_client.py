@@ -40,7 +40,15 @@ from hyperframe.frame import (
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fuzz.h2_frames import Reader, header_frames, parsed_frames, peer_frame, raw_frame, splits
+from fuzz.h2_frames import (
+    Reader,
+    drain_frames,
+    header_frames,
+    parsed_frames,
+    peer_frame,
+    raw_frame,
+    splits,
+)
 from proxycore.errors import Http2ConnectionError
 from proxycore.protocol.http2 import H2Client, H2Limits, ResponseReceived, StreamReset
 
@@ -101,12 +109,7 @@ class _Checker:
             assert self.buffer[: len(_PREFACE)] == _PREFACE
             del self.buffer[: len(_PREFACE)]
             self.preface_seen = True
-        while len(self.buffer) >= 9:
-            frame, length = Frame.parse_frame_header(memoryview(self.buffer[:9]))
-            if len(self.buffer) < 9 + length:
-                return
-            frame.parse_body(memoryview(self.buffer[9 : 9 + length]))
-            del self.buffer[: 9 + length]
+        for frame in drain_frames(self.buffer):
             self._check(frame)
 
     def _check(self, frame: Frame) -> None:

@@ -113,6 +113,18 @@ def parsed_frames(piece: bytes) -> Iterator[Frame]:
         view = view[9 + length :]
 
 
+def drain_frames(buffer: bytearray) -> Iterator[Frame]:
+    """The whole frames at the start of `buffer` (what the code under test sent), each removed
+    before it is yielded; what it sends must parse (hyperframe raising is a finding)."""
+    while len(buffer) >= 9:
+        frame, length = Frame.parse_frame_header(memoryview(buffer[:9]))
+        if len(buffer) < 9 + length:
+            return
+        frame.parse_body(memoryview(buffer[9 : 9 + length]))
+        del buffer[: 9 + length]
+        yield frame
+
+
 def splits(r: Reader, data: bytes, mode: int) -> list[bytes]:
     """`data` in one chunk (mode 0), byte by byte (1), or in pieces of 1-97 bytes drawn from
     `r` (2)."""
