@@ -26,13 +26,10 @@ import sys
 
 import hpack
 from hyperframe.frame import (
-    ContinuationFrame,
     DataFrame,
     Frame,
     GoAwayFrame,
     HeadersFrame,
-    PingFrame,
-    PriorityFrame,
     PushPromiseFrame,
     RstStreamFrame,
     SettingsFrame,
@@ -41,6 +38,15 @@ from hyperframe.frame import (
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from fuzz.h2_frames import (
+    Reader,
+    drain_frames,
+    header_frames,
+    parsed_frames,
+    peer_frame,
+    raw_frame,
+    splits,
+)
 from proxycore.errors import Http2ConnectionError
 from proxycore.protocol import http1
 from proxycore.protocol.http2 import (
@@ -73,27 +79,6 @@ LIMITS = H2Limits(
 _PATHS = (b"/", b"/anthropic/v1/messages", b"/_appliance/health", b"http://x/")
 
 
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.i = 0
-
-    def byte(self) -> int:
-        if self.i >= len(self.data):
-            return 0
-        self.i += 1
-        return self.data[self.i - 1]
-
-    def bytes(self, n: int) -> bytes:
-        out = self.data[self.i : self.i + n]
-        self.i += n
-        return out
-
-    @property
-    def left(self) -> bool:
-        return self.i < len(self.data)
-
-
 class _Checker:
     """What the client may receive, from what it sent and what the server told us."""
 
@@ -115,12 +100,7 @@ class _Checker:
 
     def output(self, data: bytes) -> None:
         self.buffer += data
-        while len(self.buffer) >= 9:
-            frame, length = Frame.parse_frame_header(memoryview(self.buffer[:9]))
-            if len(self.buffer) < 9 + length:
-                return
-            frame.parse_body(memoryview(self.buffer[9 : 9 + length]))
-            del self.buffer[: 9 + length]
+        for frame in drain_frames(self.buffer):
             self._check(frame)
 
     def _check(self, frame: Frame) -> None:
@@ -151,7 +131,7 @@ class _Checker:
             self.closed.add(sid)
 
 
-def _client_frames(r: _Reader, encoder: hpack.Encoder) -> bytes:
+def _client_frames(r: Reader, encoder: hpack.Encoder) -> bytes:
     kind = r.byte() % 12
     sid = (r.byte() % 64) * 2 + 1
     flags_byte = r.byte()
@@ -171,49 +151,19 @@ def _client_frames(r: _Reader, encoder: hpack.Encoder) -> bytes:
         flags = ["END_HEADERS"]
         if flags_byte & 0x10:
             flags.append("END_STREAM")
-        if flags_byte & 0x20:
-            half = len(block) // 2
-            return (
-                HeadersFrame(sid, block[:half], flags=flags[1:]).serialize()
-                + ContinuationFrame(sid, block[half:], flags=["END_HEADERS"]).serialize()
-            )
-        return HeadersFrame(sid, block, flags=flags).serialize()
-    if kind == 1:
-        flags = ["END_HEADERS"] if flags_byte & 1 else []
-        return ContinuationFrame(sid, r.bytes(r.byte()), flags=flags).serialize()
-    if kind == 2:
-        flags = ["END_STREAM"] if flags_byte & 1 else []
-        return DataFrame(sid, b"d" * (r.byte() * 8), flags=flags).serialize()
-    if kind == 3:
-        return RstStreamFrame(sid, error_code=flags_byte % 14).serialize()
-    if kind == 4:
-        if flags_byte & 1:
-            return SettingsFrame(0, flags=["ACK"]).serialize()
-        setting = 1 + r.byte() % 8
-        value = int.from_bytes(r.bytes(4).ljust(4, b"\0"), "big")
-        return SettingsFrame(0, settings={setting: value}).serialize()
-    if kind == 5:
-        return PingFrame(
-            0, r.bytes(8).ljust(8, b"\0"), flags=["ACK"] if flags_byte & 1 else []
-        ).serialize()
-    if kind == 6:
-        stream = 0 if flags_byte & 1 else sid
-        increment = 1 + int.from_bytes(r.bytes(2).ljust(2, b"\0"), "big")
-        return WindowUpdateFrame(stream, window_increment=increment).serialize()
-    if kind == 7:
-        return PriorityFrame(sid, depends_on=r.byte(), stream_weight=r.byte()).serialize()
+        return header_frames(sid, block, flags, split=bool(flags_byte & 0x20))
+    if 1 <= kind <= 7:  # CONTINUATION, DATA, RST_STREAM, SETTINGS, PING, WINDOW_UPDATE, PRIORITY
+        return peer_frame(kind - 1, r, sid, flags_byte)
     if kind == 8:
         return GoAwayFrame(0, last_stream_id=sid, error_code=flags_byte % 14).serialize()
     if kind == 9:
-        length = r.byte()
-        header = length.to_bytes(3, "big") + bytes([r.byte() % 12, flags_byte])
-        return header + sid.to_bytes(4, "big") + r.bytes(length)
+        return raw_frame(r, sid, flags_byte)
     if kind == 10:
         return HeadersFrame(sid, r.bytes(r.byte()), flags=["END_HEADERS"]).serialize()
     return b""  # 11: a point where the server acts
 
 
-def _act(r: _Reader, server: H2Server, live: list[int], checker: _Checker) -> None:
+def _act(r: Reader, server: H2Server, live: list[int], checker: _Checker) -> None:
     for sid in list(live):
         action = r.byte() % 7
         if action == 0:
@@ -248,21 +198,8 @@ def _check_websocket(event: RequestReceived) -> None:
     assert wants_websocket(parsed[0]) and not parsed[0].keep_alive, head
 
 
-def _splits(r: _Reader, data: bytes, mode: int) -> list[bytes]:
-    if mode == 0:
-        return [data]
-    if mode == 1:
-        return [data[i : i + 1] for i in range(len(data))]
-    out, i = [], 0
-    while i < len(data):
-        n = 1 + r.byte() % 97
-        out.append(data[i : i + n])
-        i += n
-    return out
-
-
 def TestOneInput(data: bytes) -> None:
-    r = _Reader(data)
+    r = Reader(data)
     mode = r.byte() % 3
     server = H2Server(LIMITS)
     checker = _Checker()
@@ -274,22 +211,13 @@ def TestOneInput(data: bytes) -> None:
         at_end = not r.left
         piece = b"" if at_end else _client_frames(r, encoder)
         if piece:
-            frames_in = bytes(piece)
-            view = memoryview(frames_in)
-            while len(view) >= 9:  # the checker's view of the windows the client gave
-                try:
-                    frame, length = Frame.parse_frame_header(view[:9])
-                    if len(view) < 9 + length:
-                        break
-                    frame.parse_body(view[9 : 9 + length])
-                except Exception:  # garbage the server refuses: no window given
-                    break
+            # The checker's view of the windows the client gave (garbage gives none).
+            for frame in parsed_frames(bytes(piece)):
                 checker.client_frame(frame)
-                view = view[9 + length :]
             pending += piece
             continue
         # A point where the client's bytes go in and the server acts.
-        for chunk in _splits(r, bytes(pending), mode):
+        for chunk in splits(r, bytes(pending), mode):
             now += 0.001
             try:
                 events = server.receive_data(chunk, now)

@@ -28,13 +28,10 @@ import sys
 
 import hpack
 from hyperframe.frame import (
-    ContinuationFrame,
     DataFrame,
     Frame,
     GoAwayFrame,
     HeadersFrame,
-    PingFrame,
-    PriorityFrame,
     PushPromiseFrame,
     RstStreamFrame,
     SettingsFrame,
@@ -43,6 +40,15 @@ from hyperframe.frame import (
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from fuzz.h2_frames import (
+    Reader,
+    drain_frames,
+    header_frames,
+    parsed_frames,
+    peer_frame,
+    raw_frame,
+    splits,
+)
 from proxycore.errors import Http2ConnectionError
 from proxycore.protocol.http2 import H2Client, H2Limits, ResponseReceived, StreamReset
 
@@ -66,27 +72,6 @@ _REQUEST = [
     (b":path", b"/v1/x"),
     (b"te", b"trailers"),
 ]
-
-
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.i = 0
-
-    def byte(self) -> int:
-        if self.i >= len(self.data):
-            return 0
-        self.i += 1
-        return self.data[self.i - 1]
-
-    def bytes(self, n: int) -> bytes:
-        out = self.data[self.i : self.i + n]
-        self.i += n
-        return out
-
-    @property
-    def left(self) -> bool:
-        return self.i < len(self.data)
 
 
 class _Checker:
@@ -124,12 +109,7 @@ class _Checker:
             assert self.buffer[: len(_PREFACE)] == _PREFACE
             del self.buffer[: len(_PREFACE)]
             self.preface_seen = True
-        while len(self.buffer) >= 9:
-            frame, length = Frame.parse_frame_header(memoryview(self.buffer[:9]))
-            if len(self.buffer) < 9 + length:
-                return
-            frame.parse_body(memoryview(self.buffer[9 : 9 + length]))
-            del self.buffer[: 9 + length]
+        for frame in drain_frames(self.buffer):
             self._check(frame)
 
     def _check(self, frame: Frame) -> None:
@@ -162,7 +142,7 @@ class _Checker:
             self.ended.add(sid)
 
 
-def _upstream_frames(r: _Reader, encoder: hpack.Encoder, opened: list[int]) -> bytes:
+def _upstream_frames(r: Reader, encoder: hpack.Encoder, opened: list[int]) -> bytes:
     kind = r.byte() % 13
     pick = r.byte()
     sid = opened[pick % len(opened)] if opened and pick & 0x80 == 0 else (pick % 32) * 2 + 1
@@ -179,50 +159,20 @@ def _upstream_frames(r: _Reader, encoder: hpack.Encoder, opened: list[int]) -> b
         flags = ["END_HEADERS"]
         if flags_byte & 0x10 or kind == 1:
             flags.append("END_STREAM")
-        if flags_byte & 0x20:
-            half = len(block) // 2
-            return (
-                HeadersFrame(sid, block[:half], flags=flags[1:]).serialize()
-                + ContinuationFrame(sid, block[half:], flags=["END_HEADERS"]).serialize()
-            )
-        return HeadersFrame(sid, block, flags=flags).serialize()
-    if kind == 2:
-        flags = ["END_HEADERS"] if flags_byte & 1 else []
-        return ContinuationFrame(sid, r.bytes(r.byte()), flags=flags).serialize()
-    if kind == 3:
-        flags = ["END_STREAM"] if flags_byte & 1 else []
-        return DataFrame(sid, b"d" * (r.byte() * 8), flags=flags).serialize()
-    if kind == 4:
-        return RstStreamFrame(sid, error_code=flags_byte % 14).serialize()
-    if kind == 5:
-        if flags_byte & 1:
-            return SettingsFrame(0, flags=["ACK"]).serialize()
-        setting = 1 + r.byte() % 8
-        value = int.from_bytes(r.bytes(4).ljust(4, b"\0"), "big")
-        return SettingsFrame(0, settings={setting: value}).serialize()
-    if kind == 6:
-        return PingFrame(
-            0, r.bytes(8).ljust(8, b"\0"), flags=["ACK"] if flags_byte & 1 else []
-        ).serialize()
-    if kind == 7:
-        stream = 0 if flags_byte & 1 else sid
-        increment = 1 + int.from_bytes(r.bytes(2).ljust(2, b"\0"), "big")
-        return WindowUpdateFrame(stream, window_increment=increment).serialize()
-    if kind == 8:
-        return PriorityFrame(sid, depends_on=r.byte(), stream_weight=r.byte()).serialize()
+        return header_frames(sid, block, flags, split=bool(flags_byte & 0x20))
+    if 2 <= kind <= 8:  # CONTINUATION, DATA, RST_STREAM, SETTINGS, PING, WINDOW_UPDATE, PRIORITY
+        return peer_frame(kind - 2, r, sid, flags_byte)
     if kind == 9:
         last = sid if flags_byte & 1 else 0
         return GoAwayFrame(0, last_stream_id=last, error_code=flags_byte % 14).serialize()
     if kind == 10:
         return PushPromiseFrame(sid, promised_stream_id=2, data=b"\x88").serialize()
     if kind == 11:
-        length = r.byte()
-        header = length.to_bytes(3, "big") + bytes([r.byte() % 12, flags_byte])
-        return header + sid.to_bytes(4, "big") + r.bytes(length)
+        return raw_frame(r, sid, flags_byte)
     return b""  # 12: a point where the client acts
 
 
-def _act(r: _Reader, client: H2Client, opened: list[int]) -> None:
+def _act(r: Reader, client: H2Client, opened: list[int]) -> None:
     for _ in range(1 + r.byte() % 3):
         action = r.byte() % 7
         sid = opened[r.byte() % len(opened)] if opened else 1
@@ -243,21 +193,8 @@ def _act(r: _Reader, client: H2Client, opened: list[int]) -> None:
             client.goaway()
 
 
-def _splits(r: _Reader, data: bytes, mode: int) -> list[bytes]:
-    if mode == 0:
-        return [data]
-    if mode == 1:
-        return [data[i : i + 1] for i in range(len(data))]
-    out, i = [], 0
-    while i < len(data):
-        n = 1 + r.byte() % 97
-        out.append(data[i : i + n])
-        i += n
-    return out
-
-
 def TestOneInput(data: bytes) -> None:
-    r = _Reader(data)
+    r = Reader(data)
     mode = r.byte() % 3
     client = H2Client(LIMITS)
     checker = _Checker()
@@ -274,20 +211,11 @@ def TestOneInput(data: bytes) -> None:
         at_end = not r.left
         piece = b"" if at_end else _upstream_frames(r, encoder, opened)
         if piece:
-            view = memoryview(piece)
-            while len(view) >= 9:
-                try:
-                    frame, length = Frame.parse_frame_header(view[:9])
-                    if len(view) < 9 + length:
-                        break
-                    frame.parse_body(view[9 : 9 + length])
-                except Exception:
-                    break
+            for frame in parsed_frames(piece):
                 checker.upstream_frame(frame)
-                view = view[9 + length :]
             pending += piece
             continue
-        for chunk in _splits(r, bytes(pending), mode):
+        for chunk in splits(r, bytes(pending), mode):
             now += 0.001
             try:
                 events = client.receive_data(chunk, now)

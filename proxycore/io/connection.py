@@ -38,6 +38,7 @@ import trio
 from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import LINGER_SECONDS, ByteStream, PlainStream, lingering_close
 from proxycore.io.forward import serve_forward
+from proxycore.io.forward_grpc import serve_duplex, takes_duplex
 from proxycore.io.http2 import (
     PrefaceReceived,
     h2c_settings,
@@ -275,6 +276,8 @@ class ClientConnection:
             self.progress = Progress(
                 plan.request, started, body_consumed=head.body_kind is http1.BodyKind.NONE
             )
+            if takes_duplex(head):  # gRPC: its body and its response stream together
+                return await serve_duplex(self, plan, head)
             return await serve_forward(self, plan, head)
         if isinstance(plan, Refuse):
             self.progress = Progress(_request_of(plan, crew), started)

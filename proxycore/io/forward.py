@@ -19,6 +19,10 @@ takes the same HTTP/1.1 bytes as a socket, so nothing below changes for it. Trai
 body's trailer section reaches an HTTP/2 upstream (an HTTP/1.1 upstream never gets them, as
 before); a response's reaches an agent that takes them (proxycore/protocol/trailers.py).
 
+gRPC (a chunked request body with a gRPC content-type) is not served here but by
+proxycore/io/forward_grpc.py (its body goes up as it comes while the response comes down), which
+builds on this module's steps; the connection hands it there (`takes_duplex`).
+
 Response (proxycore/protocol/responses.py decides): no body; a small body read whole, scrubbed
 and sent with its new length; or a stream through the scrubber. A broken upstream before any
 response byte went to the agent is a 502 (or 504) the agent can read; after, the connection is
@@ -35,7 +39,6 @@ import trio
 from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
 from proxycore.io.progress import RECV_SIZE, Phase, Refused, upstream_refusal
 from proxycore.io.upstream import UpstreamConnection
-from proxycore.io.upstream_h2_stream import H2Stream
 from proxycore.protocol import http1
 from proxycore.protocol.events import CredentialInjected
 from proxycore.protocol.exchange import REPLAYABLE_BODY
@@ -65,8 +68,6 @@ async def serve_forward(conn: ClientConnection, plan: Forward, head: http1.Reque
     if head.body_kind is http1.BodyKind.NONE:
         # The common case, kept to as few calls as possible: no body to read or hold.
         upstream, response = await _send_replayable(conn, plan, head, None)
-    elif head.body_kind is http1.BodyKind.CHUNKED and _is_grpc(head):
-        return await _serve_duplex(conn, plan, head)
     else:
         upstream, response = await _send_with_body(conn, plan, head)
     return await relay_response(conn, plan, head, upstream, response)
@@ -368,80 +369,6 @@ async def _send_streaming(
     except _UpstreamBroken as exc:
         raise Refused(_upstream_closed(plan, upstream, exc)) from None
     return upstream, response
-
-
-async def _serve_duplex(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:
-    """A gRPC request: its body is a stream of messages the server may answer one by one
-    (bidirectional streaming), so on an HTTP/2 upstream the body goes up as it comes while the
-    response comes down (RFC 9113 8.1 lets either side stream while the other does); never
-    held back to be replayable. On an HTTP/1.1 upstream: the streaming path as for any body."""
-    reader = http1.BodyReader.for_request(head, conn.runtime.http_limits)
-    if plan.expect_continue:
-        await conn.stream.send_all(CONTINUE)
-    upstream = await _open(conn, plan, head)
-    if not isinstance(upstream.stream, H2Stream):
-        upstream_, response = await _send_streaming(conn, plan, head, reader, b"", upstream)
-        return await relay_response(conn, plan, head, upstream_, response)
-    try:
-        await _send_upstream(conn, upstream, plan.upstream_head(None, chunked=True))
-    except _UpstreamBroken as exc:
-        raise Refused(_upstream_closed(plan, upstream, exc)) from None
-    progress = conn.progress
-    assert progress is not None
-    failure: Exception | None = None
-    keep = False
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_pump_body, conn, upstream.stream, reader)
-        try:
-            try:
-                response = await _read_response_head(
-                    conn, plan, upstream, head.method, time.monotonic() + conn.limits.read_timeout
-                )
-            except _UpstreamBroken as exc:
-                raise Refused(_upstream_closed(plan, upstream, exc)) from None
-            keep = await relay_response(conn, plan, head, upstream, response)
-        except Exception as exc:
-            # Raised outside the nursery, as it is (a refusal, the agent gone...): never
-            # wrapped in a group the connection would not recognize.
-            failure = exc
-        nursery.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-    # An HTTP/1.1 agent whose body was not read to its end cannot send another request.
-    return keep and progress.body_consumed
-
-
-async def _pump_body(conn: ClientConnection, stream: H2Stream, reader: http1.BodyReader) -> None:
-    """The agent's request body to the upstream stream as it arrives (within `max_body_bytes`);
-    a failure ends the upstream stream (the response side then sees it), never more."""
-    progress = conn.progress
-    assert progress is not None
-    limit = conn.limits.max_body_bytes
-    sent = 0
-    try:
-        while not reader.done:
-            if conn.buffer:
-                data = bytes(conn.buffer)
-                conn.buffer.clear()
-            else:
-                data = await conn.stream.receive(RECV_SIZE)
-            if not data:
-                reader.feed_eof()
-            piece = reader.feed(data)
-            sent += len(piece)
-            progress.bytes_up = sent
-            if sent > limit:
-                raise HttpProtocolError(f"request body over {limit} bytes")
-            if piece:
-                await stream.send_all(http1.encode_chunk(piece))
-        trailers = relayable(reader.trailers, request=True)
-        await stream.send_all(section(trailers) if trailers else http1.LAST_CHUNK)
-        conn.buffer[:0] = reader.take_leftover()
-        progress.body_consumed = True
-    except HttpProtocolError as exc:
-        stream.abort(f"request body: {exc}")
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-        stream.abort(f"request body: {exc}")
 
 
 def _upstream_closed(

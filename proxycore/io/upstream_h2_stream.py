@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 import trio
 
 from proxycore.errors import HttpProtocolError
+from proxycore.io.h2_stream import take_piece
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.protocol import http1
 from proxycore.protocol.http2.client import RequestUnsendable
@@ -224,14 +225,10 @@ class H2Stream:
         self._writable.set()
 
     def try_receive(self, max_bytes: int) -> bytes | None:
-        inbox = self._inbox
-        while inbox:
-            data, flow = inbox.popleft()
-            if flow:
-                self.connection.client.acknowledge(self.stream_id, flow)
-                self.connection.kick()
-            if data:
-                return data
+        connection = self.connection
+        data = take_piece(self._inbox, connection.client, self.stream_id, connection.kick)
+        if data is not None:
+            return data
         if self._eof:
             return b""
         if self.broken is not None:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from proxycore.errors import HttpProtocolError
-from proxycore.io.http2 import StreamPipe
+from proxycore.io.h2_stream import StreamPipe
 from proxycore.protocol import http1
 from proxycore.protocol.http2 import ErrorCode, RequestReceived, response_fields
 from proxycore.protocol.http2.websocket import websocket_head

@@ -7,13 +7,13 @@ Theory of operation
 sent (`receive_data`), gets back our own events (`events.py`: `ResponseReceived`,
 `DataReceived`, `TrailersReceived`, `StreamEnded`, `StreamReset`, `WindowOpened`,
 `ConnectionEnded`...), calls commands (`open_stream`, `send_data`, `send_trailers`, `reset`,
-`acknowledge`) and writes out `data_to_send()`. Nothing outside this module and
+`acknowledge`) and writes out `data_to_send()`. Nothing outside this module, `endpoint.py` and
 `connection.py` touches h2; its exceptions end here, converted to `Http2ConnectionError` (the
 connection must end: a GOAWAY is queued) or to a refused command (a stream the upstream already
 closed or reset: never written, RFC 9113 5.1).
 
-The upstream is not trusted more than an agent: before h2 sees a frame, this module splits the
-input into frames (RFC 9113 4.1) and counts what h2 does not bound, with the agent side's limits
+The upstream is not trusted more than an agent: before h2 sees a frame, it is counted as on the
+agent side (`endpoint.H2Endpoint` holds that accounting for both), with the same limits
 (limits.py): one header block's bytes and CONTINUATION frames (the 2024 CONTINUATION flood),
 SETTINGS and PING floods (CVE-2019-9515, CVE-2019-9512), PRIORITY frames, frames with empty
 payloads (CVE-2019-9518). h2 enforces HPACK's decoded header list size (the HPACK bomb,
@@ -41,28 +41,20 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from proxycore.errors import Http2ConnectionError
+from proxycore.protocol.http2.endpoint import HEADERS, PUSH_PROMISE, H2Endpoint, advertised_settings
 from proxycore.protocol.http2.events import (
     ConnectionEnded,
-    DataReceived,
     H2Event,
-    PingReceived,
     ResponseReceived,
-    SettingsReceived,
-    StreamEnded,
     StreamReset,
     TrailersReceived,
-    WindowOpened,
 )
-from proxycore.protocol.http2.limits import MAX_STREAM_ID, H2Limits, TokenBucket
+from proxycore.protocol.http2.limits import MAX_STREAM_ID, H2Limits
 
 __all__ = ["H2Client", "RequestUnsendable"]
 
 ErrorCode = h2.errors.ErrorCodes
 
-_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
-_PUSH_PROMISE, _PING, _CONTINUATION = 0x5, 0x6, 0x9
-_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
 # Field names: lowercase tokens; values: no controls, no surrounding whitespace (RFC 9113
 # 8.2.1). Checked before h2 encodes anything: h2 changes the HPACK encoder's state before some
 # of its own checks, which would leave the upstream's decoder out of step.
@@ -80,11 +72,13 @@ class RequestUnsendable(Exception):
     """Internal: a request head (or trailer section) that cannot be written as HTTP/2."""
 
 
-class H2Client:
+class H2Client(H2Endpoint):
     """One HTTP/2 client connection (see the module docstring)."""
 
+    # A PUSH_PROMISE carries a header block too (counted before h2 refuses it, RFC 9113 8.4).
+    _BLOCK_STARTS = frozenset({HEADERS, PUSH_PROMISE})
+
     def __init__(self, limits: H2Limits) -> None:
-        self.limits = limits
         config = h2.config.H2Configuration(
             client_side=True,
             header_encoding=None,
@@ -93,38 +87,18 @@ class H2Client:
             validate_outbound_headers=True,
             normalize_outbound_headers=True,
         )
-        h2c = self._h2 = h2.connection.H2Connection(config)
+        h2c = h2.connection.H2Connection(config)
         h2c.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: limits.initial_stream_window,
-                h2.settings.SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
-                h2.settings.SettingCodes.HEADER_TABLE_SIZE: limits.header_table_size,
-                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                **advertised_settings(limits),
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0,
             },
         )
-        h2c.decoder.max_header_list_size = limits.max_header_list_size
-        h2c.decoder.max_allowed_table_size = limits.header_table_size
-        h2c.max_inbound_frame_size = limits.max_frame_size
-        self._buffer = bytearray()
-        self._started = False
-        self._block_bytes = 0
-        self._block_frames = 0
-        self._empty_frames = 0
-        self._settings = TokenBucket(limits.settings_burst, limits.settings_rate)
-        self._pings = TokenBucket(limits.ping_burst, limits.ping_rate)
-        self._priorities = TokenBucket(limits.priority_burst, limits.priority_rate)
-        self._queued_control = 0
-        # Flow-controlled bytes received and not yet acknowledged, per open stream.
-        self._unacked: dict[int, int] = {}
-        # Streams we opened that are not over for us.
-        self._live: set[int] = set()
+        super().__init__(limits, h2c)
         self._reserved = 0  # streams promised to callers (`reserve`) not opened yet
         # The upstream's GOAWAY: its last stream identifier (None: none received).
         self.last_stream_id: int | None = None
-        self.closed = False  # a fatal GOAWAY was queued or received: nothing more is sent
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -134,9 +108,7 @@ class H2Client:
             return
         self._started = True
         self._h2.initiate_connection()
-        extra = self.limits.connection_window - 65535
-        if extra > 0:
-            self._h2.increment_flow_control_window(extra)
+        self._open_connection_window()
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -183,55 +155,8 @@ class H2Client:
         buffer = self._buffer
         buffer += data
         events: list[H2Event] = []
-        limits = self.limits
-        try:
-            while len(buffer) >= 9:
-                length = int.from_bytes(buffer[:3], "big")
-                if length > limits.max_frame_size:
-                    self._fail("frame too large", ErrorCode.FRAME_SIZE_ERROR, "h2_frame_size")
-                if len(buffer) < 9 + length:
-                    break
-                frame = bytes(buffer[: 9 + length])
-                del buffer[: 9 + length]
-                self._account(frame, length, now)
-                self._feed(frame, events)
-        except Http2ConnectionError as exc:
-            exc.events = events
-            raise
+        self._receive_frames(events, now)
         return events
-
-    def _account(self, frame: bytes, length: int, now: float) -> None:
-        kind, flags = frame[3], frame[4]
-        limits = self.limits
-        if kind in (_HEADERS, _CONTINUATION, _PUSH_PROMISE):
-            if kind != _CONTINUATION:
-                self._block_bytes, self._block_frames = 0, 0
-            else:
-                self._block_frames += 1
-            self._block_bytes += length
-            if self._block_frames > limits.max_continuation_frames:
-                self._calm(
-                    "CONTINUATION flood: too many frames in one header block", "h2_continuation"
-                )
-            if self._block_bytes > limits.max_header_block_bytes:
-                self._calm("header block too large", "h2_header_block")
-        empty = length == 0 and (
-            (kind == _DATA and not flags & _END_STREAM)
-            or (kind in (_HEADERS, _CONTINUATION) and not flags & (_END_HEADERS | _END_STREAM))
-        )
-        self._empty_frames = self._empty_frames + 1 if empty else 0
-        if self._empty_frames > limits.max_consecutive_empty_frames:
-            self._calm("frames with an empty payload", "h2_empty_frames")
-        if kind == _SETTINGS and not flags & _ACK and not self._settings.take(now):
-            self._calm("SETTINGS flood", "h2_settings_flood")
-        elif kind == _PING and not flags & _ACK and not self._pings.take(now):
-            self._calm("PING flood", "h2_ping_flood")
-        elif kind == _PRIORITY and not self._priorities.take(now):
-            self._calm("PRIORITY flood", "h2_priority_flood")
-        if kind in (_SETTINGS, _PING) and not flags & _ACK:
-            self._queued_control += 1
-            if self._queued_control > limits.max_outbound_control_frames:
-                self._calm("control frames queued for a peer that does not read", "h2_outbound")
 
     def _feed(self, frame: bytes, events: list[H2Event]) -> None:
         try:
@@ -246,7 +171,7 @@ class H2Client:
         for event in received:
             self._convert(event, events)
 
-    def _convert(self, event: h2.events.Event, events: list[H2Event]) -> None:
+    def _convert_own(self, event: h2.events.Event, events: list[H2Event]) -> None:
         if isinstance(event, h2.events.ResponseReceived):
             stream_id = event.stream_id
             assert stream_id is not None
@@ -261,36 +186,12 @@ class H2Client:
             if stream_id in self._live:
                 _, fields = _split_response(event.headers or [])
                 events.append(TrailersReceived(stream_id, fields))
-        elif isinstance(event, h2.events.DataReceived):
-            stream_id = event.stream_id
-            assert stream_id is not None
-            data = event.data or b""
-            flow = event.flow_controlled_length or 0
-            if stream_id in self._live:
-                self._unacked[stream_id] = self._unacked.get(stream_id, 0) + flow
-                events.append(DataReceived(stream_id, data, flow, event.stream_ended is not None))
-            else:
-                self._send(lambda: self._h2.acknowledge_received_data(flow, stream_id))
-        elif isinstance(event, h2.events.StreamEnded):
-            if event.stream_id in self._live:
-                events.append(StreamEnded(event.stream_id))
         elif isinstance(event, h2.events.StreamReset):
             stream_id = event.stream_id
             code = int(event.error_code or 0)
             if self._end(stream_id):
                 refused = code == ErrorCode.REFUSED_STREAM
                 events.append(StreamReset(stream_id, code, by_peer=True, refused=refused))
-        elif isinstance(event, h2.events.WindowUpdated):
-            events.append(WindowOpened(event.stream_id or 0))
-        elif isinstance(event, h2.events.RemoteSettingsChanged):
-            changed = tuple(
-                (int(code), int(setting.new_value or 0))
-                for code, setting in event.changed_settings.items()
-            )
-            events.append(SettingsReceived(changed))
-            events.append(WindowOpened(0))
-        elif isinstance(event, h2.events.PingReceived):
-            events.append(PingReceived())
         elif isinstance(event, h2.events.ConnectionTerminated):
             last = int(event.last_stream_id or 0)
             self.last_stream_id = last
@@ -316,13 +217,6 @@ class H2Client:
 
     # -- commands -------------------------------------------------------------------------------
 
-    def data_to_send(self) -> bytes:
-        self._queued_control = 0
-        return self._h2.data_to_send()
-
-    def is_live(self, stream_id: int) -> bool:
-        return stream_id in self._live
-
     def open_stream(self, fields: list[tuple[bytes, bytes]], *, end: bool) -> int:
         """Send a request head (pseudo-headers first); returns its stream identifier. Raises
         RequestUnsendable for fields HTTP/2 cannot carry (checked before h2 encodes)."""
@@ -339,15 +233,6 @@ class H2Client:
         self._live.add(stream_id)
         self._unacked[stream_id] = 0
         return stream_id
-
-    def send_window(self, stream_id: int) -> int:
-        if stream_id not in self._live or self.closed:
-            return 0
-        try:
-            window = self._h2.local_flow_control_window(stream_id)
-        except (h2.exceptions.ProtocolError, KeyError):
-            return 0
-        return min(window, self._h2.max_outbound_frame_size)
 
     def send_data(self, stream_id: int, data: bytes | memoryview, *, end: bool) -> int:
         """Send as much of `data` as the windows allow (one frame); the bytes taken, -1 when
@@ -387,17 +272,6 @@ class H2Client:
                 self._send(lambda: self._h2.reset_stream(stream_id, ErrorCode.NO_ERROR))
             self._end(stream_id)
 
-    def acknowledge(self, stream_id: int, flow_length: int) -> None:
-        """`flow_length` bytes of the stream were handed on: open the windows again."""
-        if flow_length <= 0 or self.closed:
-            return
-        unacked = self._unacked.get(stream_id)
-        if unacked is None:
-            return
-        flow_length = min(flow_length, unacked)
-        self._unacked[stream_id] = unacked - flow_length
-        self._send(lambda: self._h2.acknowledge_received_data(flow_length, stream_id))
-
     def goaway(self, code: int = ErrorCode.NO_ERROR) -> None:
         if self.closed:
             return
@@ -407,39 +281,6 @@ class H2Client:
             self._h2.close_connection(code)
         except h2.exceptions.ProtocolError:
             pass
-
-    # -- internals ------------------------------------------------------------------------------
-
-    def _send(self, command: object) -> bool:
-        assert callable(command)
-        try:
-            command()
-        except h2.exceptions.ProtocolError:
-            # Closed or reset meanwhile, or the state forbids the frame: never sent.
-            return False
-        return True
-
-    def _end(self, stream_id: int) -> bool:
-        unacked = self._unacked.pop(stream_id, 0)
-        if unacked and not self.closed:
-            self._send(lambda: self._h2.acknowledge_received_data(unacked, stream_id))
-        if stream_id in self._live:
-            self._live.discard(stream_id)
-            return True
-        return False
-
-    def _calm(self, message: str, rule: str) -> None:
-        self._fail(message, ErrorCode.ENHANCE_YOUR_CALM, rule)
-
-    def _fail(self, message: str, code: int, rule: str) -> None:
-        self.goaway(code)
-        self._failed(message, code, rule)
-
-    def _failed(self, message: str, code: int, rule: str) -> None:
-        self.closed = True
-        self._live.clear()
-        self._unacked.clear()
-        raise Http2ConnectionError(message, error_code=int(code), rule=rule)
 
 
 def _split_response(

@@ -5,19 +5,17 @@ Theory of operation
 `H2Server` is sans-IO like the HTTP/1.1 parser: the adapter (proxycore/io/http2.py) feeds it the
 bytes the client sent (`receive_data`), gets back our own events (`events.py`), calls commands
 (`send_headers`, `send_data`, `reset`, `acknowledge`...) and writes out `data_to_send()`.
-Nothing outside this module touches h2: its exceptions end here, converted to
-`Http2ConnectionError` (the connection must end; a GOAWAY is queued) or to a no-op (a command on
-a stream the client already closed or reset: RFC 9113 5.1 forbids most frames on a closed
-stream, so we never send them).
+Nothing outside this module, `endpoint.py` (what both sides share) and `client.py` (the upstream
+side) touches h2: its exceptions end here, converted to `Http2ConnectionError` (the connection
+must end; a GOAWAY is queued) or to a no-op (a command on a stream the client already closed or
+reset: RFC 9113 5.1 forbids most frames on a closed stream, so we never send them).
 
-Before h2 sees a frame, this module splits the input into frames itself (the 9-octet header of
-RFC 9113 4.1 is enough) and counts what h2 does not bound (limits.py): header-block bytes and
-CONTINUATION frames (the 2024 CONTINUATION flood: h2 buffers up to 64 frames before decoding),
-client resets (rapid reset, CVE-2023-44487), SETTINGS, PING and PRIORITY floods, frames with
-empty payloads, and the control frames queued for a client that does not read. Over a limit the
-connection ends with GOAWAY ENHANCE_YOUR_CALM (RFC 9113 7: "the endpoint is ... generating
-excessive load"). h2 itself enforces the concurrent-stream limit, the frame size, HPACK's
-decoded header list size (the HPACK bomb) and the flow-control windows we advertised.
+Before h2 sees a frame, the frames are counted against what h2 does not bound (limits.py), as
+on the upstream side: `endpoint.H2Endpoint` holds that accounting for both. On this side it
+also counts client resets (rapid reset, CVE-2023-44487). Over a limit the connection ends with
+GOAWAY ENHANCE_YOUR_CALM (RFC 9113 7: "the endpoint is ... generating excessive load"). h2
+itself enforces the concurrent-stream limit, the frame size, HPACK's decoded header list size
+(the HPACK bomb) and the flow-control windows we advertised.
 
 Flow control: a stream's request body is acknowledged (`acknowledge`) only once the adapter has
 consumed it, so what the proxy holds never exceeds the windows it advertised (a stream's
@@ -42,20 +40,17 @@ import h2.settings
 from hyperframe.frame import GoAwayFrame
 
 from proxycore.errors import Http2ConnectionError
+from proxycore.protocol.http2.compact_settings import CompactSettings
+from proxycore.protocol.http2.endpoint import H2Endpoint, advertised_settings
 from proxycore.protocol.http2.events import (
     ConnectionEnded,
-    DataReceived,
     H2Event,
-    PingReceived,
     RequestReceived,
-    SettingsReceived,
-    StreamEnded,
     StreamReset,
     TrailersReceived,
-    WindowOpened,
 )
 from proxycore.protocol.http2.hpack_out import StatelessEncoder
-from proxycore.protocol.http2.limits import H2Limits, TokenBucket
+from proxycore.protocol.http2.limits import H2Limits
 
 __all__ = ["PREFACE", "ErrorCode", "H2Server", "preface_state"]
 
@@ -63,11 +58,6 @@ __all__ = ["PREFACE", "ErrorCode", "H2Server", "preface_state"]
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 ErrorCode = h2.errors.ErrorCodes
 
-_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
-_PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 0x6, 0x7, 0x8, 0x9
-_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
-# Frames the proxy answers with a control frame of its own (for the outbound queue's count).
-_ANSWERED = {_SETTINGS, _PING}
 # Response fields h2 would refuse (after encoding some of them): lowercase token names; values
 # without controls or surrounding whitespace (RFC 9113 8.2.1); no connection-specific fields
 # (RFC 9113 8.2.2).
@@ -81,11 +71,14 @@ _CONNECTION_SPECIFIC = frozenset(
 )
 
 
-class H2Server:
+class H2Server(H2Endpoint):
     """One HTTP/2 server connection (see the module docstring)."""
 
+    # The client's resets are rate limited (rapid reset, CVE-2023-44487).
+    _COUNT_RESETS = True
+    _PEER = "client"
+
     def __init__(self, limits: H2Limits) -> None:
-        self.limits = limits
         config = h2.config.H2Configuration(
             client_side=False,
             header_encoding=None,
@@ -101,50 +94,26 @@ class H2Server:
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
         )
-        h2c = self._h2 = h2.connection.H2Connection(config)
+        h2c = h2.connection.H2Connection(config)
         h2c.encoder = StatelessEncoder()  # type: ignore[assignment]
         # The settings advertised are the settings enforced (h2 reads local_settings for both):
         # set them before the preface rather than waiting for the client's acknowledgement.
-        h2c.remote_settings = _CompactSettings(client=True)
-        h2c.local_settings = _CompactSettings(
+        h2c.remote_settings = CompactSettings(client=True)
+        h2c.local_settings = CompactSettings(
             client=False,
             initial_values={
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: limits.initial_stream_window,
-                h2.settings.SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
-                h2.settings.SettingCodes.HEADER_TABLE_SIZE: limits.header_table_size,
-                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                **advertised_settings(limits),
                 # RFC 8441 3: extended CONNECT (WebSocket over a stream, websocket.py).
                 h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: int(limits.extended_connect),
             },
         )
-        h2c.decoder.max_header_list_size = limits.max_header_list_size
-        h2c.decoder.max_allowed_table_size = limits.header_table_size
-        h2c.max_inbound_frame_size = limits.max_frame_size
-        self._buffer = bytearray()
+        super().__init__(limits, h2c)
         self._preface_seen = False
-        self._started = False
-        # The header block in progress: its stream, bytes and CONTINUATION frames so far.
-        self._block_stream = 0
-        self._block_bytes = 0
-        self._block_frames = 0
-        self._empty_frames = 0
-        self._resets = TokenBucket(limits.reset_burst, limits.reset_rate)
-        self._settings = TokenBucket(limits.settings_burst, limits.settings_rate)
-        self._pings = TokenBucket(limits.ping_burst, limits.ping_rate)
-        self._priorities = TokenBucket(limits.priority_burst, limits.priority_rate)
-        # Control frames queued since the adapter last took data_to_send().
-        self._queued_control = 0
-        # Flow-controlled bytes received and not yet acknowledged, per open stream.
-        self._unacked: dict[int, int] = {}
-        # Streams the adapter serves (a request was reported and the stream is not over).
-        self._live: set[int] = set()
         # Streams whose final response head went out.
         self._responded: set[int] = set()
         # After a graceful GOAWAY: the last stream served; higher ones are refused.
         self._last_stream: int | None = None
-        self.closed = False  # a fatal GOAWAY was queued (or the client's received)
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -152,9 +121,7 @@ class H2Server:
         """Queue the server preface: SETTINGS, and the connection window (RFC 9113 6.9.2)."""
         self._started = True
         self._h2.initiate_connection()
-        extra = self.limits.connection_window - 65535
-        if extra > 0:
-            self._h2.increment_flow_control_window(extra)
+        self._open_connection_window()
 
     def initiate_upgrade(self, settings_header: bytes) -> None:
         """`Upgrade: h2c` (RFC 7540 3.2): stream 1 is the request that asked, half closed; the
@@ -166,9 +133,7 @@ class H2Server:
             raise Http2ConnectionError(
                 f"bad HTTP2-Settings: {exc}", error_code=ErrorCode.PROTOCOL_ERROR, rule="h2_upgrade"
             ) from None
-        extra = self.limits.connection_window - 65535
-        if extra > 0:
-            self._h2.increment_flow_control_window(extra)
+        self._open_connection_window()
         self._live.add(1)
         self._unacked[1] = 0
 
@@ -194,67 +159,12 @@ class H2Server:
             self._preface_seen = True
             self._feed(bytes(buffer[: len(PREFACE)]), events)
             del buffer[: len(PREFACE)]
-        try:
-            self._frames(events, now)
-        except Http2ConnectionError as exc:
-            # What was received before the failing frame: the adapter still owes each request
-            # its terminal event.
-            exc.events = events
-            raise
+        self._receive_frames(events, now)
         return events
 
-    def _frames(self, events: list[H2Event], now: float) -> None:
-        buffer = self._buffer
-        limits = self.limits
-        while len(buffer) >= 9:
-            length = int.from_bytes(buffer[:3], "big")
-            if length > limits.max_frame_size:
-                # h2 refuses it (FRAME_SIZE_ERROR): feed the header alone, never the payload.
-                self._feed(bytes(buffer[:9]), events)
-                self._fail("frame too large", ErrorCode.FRAME_SIZE_ERROR, "h2_frame_size")
-            if len(buffer) < 9 + length:
-                break
-            frame = bytes(buffer[: 9 + length])
-            del buffer[: 9 + length]
-            self._account(frame, length, now)
-            self._feed(frame, events)
-
-    def _account(self, frame: bytes, length: int, now: float) -> None:
-        """Count the frame against the limits h2 does not enforce (limits.py)."""
-        kind, flags = frame[3], frame[4]
-        stream_id = int.from_bytes(frame[5:9], "big") & 0x7FFFFFFF
-        limits = self.limits
-        if kind in (_HEADERS, _CONTINUATION):
-            if kind == _HEADERS:
-                self._block_stream, self._block_bytes, self._block_frames = stream_id, 0, 0
-            else:
-                self._block_frames += 1
-            self._block_bytes += length
-            if self._block_frames > limits.max_continuation_frames:
-                self._calm(
-                    "CONTINUATION flood: too many frames in one header block", "h2_continuation"
-                )
-            if self._block_bytes > limits.max_header_block_bytes:
-                self._calm("header block too large", "h2_header_block")
-        empty = length == 0 and (
-            (kind == _DATA and not flags & _END_STREAM)
-            or (kind in (_HEADERS, _CONTINUATION) and not flags & (_END_HEADERS | _END_STREAM))
-        )
-        self._empty_frames = self._empty_frames + 1 if empty else 0
-        if self._empty_frames > limits.max_consecutive_empty_frames:
-            self._calm("frames with an empty payload", "h2_empty_frames")
-        if kind == _RST_STREAM and not self._resets.take(now):
-            self._calm("too many streams reset by the client (rapid reset)", "h2_rapid_reset")
-        elif kind == _SETTINGS and not flags & _ACK and not self._settings.take(now):
-            self._calm("SETTINGS flood", "h2_settings_flood")
-        elif kind == _PING and not flags & _ACK and not self._pings.take(now):
-            self._calm("PING flood", "h2_ping_flood")
-        elif kind == _PRIORITY and not self._priorities.take(now):
-            self._calm("PRIORITY flood", "h2_priority_flood")
-        if kind in _ANSWERED and not flags & _ACK:
-            self._queued_control += 1
-            if self._queued_control > limits.max_outbound_control_frames:
-                self._calm("control frames queued for a client that does not read", "h2_outbound")
+    def _oversized(self, header: bytes, events: list[H2Event]) -> None:
+        # h2 refuses it (FRAME_SIZE_ERROR): feed the header alone, never the payload.
+        self._feed(header, events)
 
     def _feed(self, frame: bytes, events: list[H2Event]) -> None:
         try:
@@ -267,7 +177,7 @@ class H2Server:
         for event in received:
             self._convert(event, events)
 
-    def _convert(self, event: h2.events.Event, events: list[H2Event]) -> None:
+    def _convert_own(self, event: h2.events.Event, events: list[H2Event]) -> None:
         if isinstance(event, h2.events.RequestReceived):
             stream_id = event.stream_id
             assert stream_id is not None
@@ -276,36 +186,11 @@ class H2Server:
                 self._live.add(stream_id)
                 self._unacked[stream_id] = 0
                 events.append(request)
-        elif isinstance(event, h2.events.DataReceived):
-            stream_id = event.stream_id
-            assert stream_id is not None
-            data = event.data or b""
-            flow = event.flow_controlled_length or 0
-            if stream_id in self._live:
-                self._unacked[stream_id] = self._unacked.get(stream_id, 0) + flow
-                events.append(DataReceived(stream_id, data, flow, event.stream_ended is not None))
-            else:
-                self._h2.acknowledge_received_data(flow, stream_id)
-        elif isinstance(event, h2.events.StreamEnded):
-            if event.stream_id in self._live:
-                events.append(StreamEnded(event.stream_id))
         elif isinstance(event, h2.events.StreamReset):
             stream_id = event.stream_id
             code = int(event.error_code or 0)
             if self._end(stream_id):
                 events.append(StreamReset(stream_id, code, by_peer=event.remote_reset))
-        elif isinstance(event, h2.events.WindowUpdated):
-            events.append(WindowOpened(event.stream_id or 0))
-        elif isinstance(event, h2.events.RemoteSettingsChanged):
-            changed = tuple(
-                (int(code), int(setting.new_value or 0))
-                for code, setting in event.changed_settings.items()
-            )
-            events.append(SettingsReceived(changed))
-            # A larger initial window opens every stream's window at once.
-            events.append(WindowOpened(0))
-        elif isinstance(event, h2.events.PingReceived):
-            events.append(PingReceived())
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.closed = True
             events.append(
@@ -373,31 +258,14 @@ class H2Server:
 
     # -- commands -------------------------------------------------------------------------------
 
-    def data_to_send(self) -> bytes:
-        self._queued_control = 0
-        return self._h2.data_to_send()
-
     @property
     def pending(self) -> int:
         """Bytes queued for the client and not yet taken by data_to_send()."""
         return len(self._h2._data_to_send)
 
-    def is_live(self, stream_id: int) -> bool:
-        return stream_id in self._live
-
     @property
     def live_streams(self) -> int:
         return len(self._live)
-
-    def send_window(self, stream_id: int) -> int:
-        """Bytes that may be sent on the stream now (0 when it is gone)."""
-        if stream_id not in self._live or self.closed:
-            return 0
-        try:
-            window = self._h2.local_flow_control_window(stream_id)
-        except (h2.exceptions.ProtocolError, KeyError):
-            return 0
-        return min(window, self._h2.max_outbound_frame_size)
 
     def send_headers(
         self, stream_id: int, status: int, headers: list[tuple[bytes, bytes]], *, end: bool
@@ -478,18 +346,6 @@ class H2Server:
         if stream_id in self._live:
             self._reset(stream_id, code)
 
-    def acknowledge(self, stream_id: int, flow_length: int) -> None:
-        """The adapter consumed `flow_length` flow-controlled bytes of the stream: open the
-        windows again (h2 sends WINDOW_UPDATE once enough is consumed)."""
-        if flow_length <= 0 or self.closed:
-            return
-        unacked = self._unacked.get(stream_id)
-        if unacked is None:
-            return
-        flow_length = min(flow_length, unacked)
-        self._unacked[stream_id] = unacked - flow_length
-        self._send(lambda: self._h2.acknowledge_received_data(flow_length, stream_id))
-
     def goaway(self, code: int = ErrorCode.NO_ERROR) -> None:
         """End the connection: GOAWAY naming the last stream the client opened."""
         if self.closed:
@@ -517,75 +373,13 @@ class H2Server:
         frame.error_code = ErrorCode.NO_ERROR
         self._h2._data_to_send += frame.serialize()
 
-    def _send(self, command: object) -> bool:
-        """Run an h2 command; a stream or connection already closed makes it a no-op."""
-        assert callable(command)
-        try:
-            command()
-        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
-            return False
-        except h2.exceptions.ProtocolError:
-            # The stream's state forbids the frame (the client half-closed or reset it while
-            # the response was being prepared): never sent.
-            return False
-        return True
-
     def _reset(self, stream_id: int, code: int) -> None:
         self._send(lambda: self._h2.reset_stream(stream_id, code))
         self._end(stream_id)
 
     def _end(self, stream_id: int) -> bool:
-        """The stream is over for us: credit its unconsumed bytes to the connection window.
-        True if it was live."""
-        unacked = self._unacked.pop(stream_id, 0)
-        if unacked and not self.closed:
-            # Stream closed: h2 credits the connection window only.
-            self._send(lambda: self._h2.acknowledge_received_data(unacked, stream_id))
         self._responded.discard(stream_id)
-        if stream_id in self._live:
-            self._live.discard(stream_id)
-            return True
-        return False
-
-    def _calm(self, message: str, rule: str) -> None:
-        self._fail(message, ErrorCode.ENHANCE_YOUR_CALM, rule)
-
-    def _fail(self, message: str, code: int, rule: str) -> None:
-        self.goaway(code)
-        self._failed(message, code, rule)
-
-    def _failed(self, message: str, code: int, rule: str) -> None:
-        self.closed = True
-        self._live.clear()
-        self._unacked.clear()
-        raise Http2ConnectionError(message, error_code=int(code), rule=rule)
-
-
-class _Values(list[int | None]):
-    """A setting's current value and the ones proposed after it: what h2 keeps in a deque
-    (`[0]`, `append`, `popleft`), in a list of one or two items. A deque allocates a block of
-    64 slots (about 760 bytes): h2's two Settings objects held eleven of them, a third of
-    what an idle HTTP/2 connection cost (bench/bench_h2.py, memory per idle connection)."""
-
-    __slots__ = ()
-
-    def popleft(self) -> int | None:
-        return self.pop(0)
-
-
-class _CompactSettings(h2.settings.Settings):
-    """h2's Settings with `_Values` for its deques (the same behaviour, a tenth of the memory)."""
-
-    def __init__(
-        self, client: bool = True, initial_values: dict[h2.settings.SettingCodes, int] | None = None
-    ) -> None:
-        super().__init__(client=client, initial_values=initial_values)
-        self._settings = {key: _Values(items) for key, items in self._settings.items()}  # type: ignore[misc]
-
-    def __setitem__(self, key: h2.settings.SettingCodes | int, value: int) -> None:
-        if key not in self._settings:
-            self._settings[key] = _Values([None])  # type: ignore[assignment]
-        super().__setitem__(key, value)
+        return super()._end(stream_id)
 
 
 def _rule_of(exc: h2.exceptions.ProtocolError) -> str:

@@ -3,7 +3,7 @@
 Every limit here is counted per connection (docs/proxy.md "HTTP/2" lists the defaults next to
 Envoy's edge values). The h2 package enforces some of them itself once configured (concurrent
 streams, frame size, HPACK's decoded header list size, flow-control windows); the rest are
-counted by `proxycore.protocol.http2.connection` frame by frame, before h2 sees the frame.
+counted by `proxycore.protocol.http2.endpoint` frame by frame, before h2 sees the frame.
 """
 
 from __future__ import annotations
