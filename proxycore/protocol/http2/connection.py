@@ -174,6 +174,12 @@ class H2Server(H2Endpoint):
             self._failed(f"HPACK: {exc}", ErrorCode.ENHANCE_YOUR_CALM, "h2_header_list")
         except h2.exceptions.ProtocolError as exc:
             self._failed(str(exc) or type(exc).__name__, exc.error_code, _rule_of(exc))
+        except Exception as exc:  # hpack's and hyperframe's own errors: unreadable input
+            # h2 converts the ones it knows; anything else from the client's bytes still ends
+            # this connection alone, with a GOAWAY and its journal entry, as the client does.
+            self._fail(
+                f"{type(exc).__name__}: {exc}", ErrorCode.PROTOCOL_ERROR, "h2_protocol_error"
+            )
         for event in received:
             self._convert(event, events)
 
