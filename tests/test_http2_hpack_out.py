@@ -1,4 +1,4 @@
-"""The stateless HPACK encoder of our responses (proxycore/protocol/http2/hpack_out.py): what it
+"""The stateless HPACK encoder of our heads (proxycore/protocol/http2/hpack_out.py): what it
 writes decodes (hpack's Decoder, as a client's) to the fields given, and never touches the
 client's dynamic table."""
 
@@ -54,3 +54,19 @@ def test_client_table_size_setting_is_accepted() -> None:
     decoder = hpack.Decoder()
     decoder.header_table_size = 0
     assert decoder.decode(encoder.encode([(b"server", b"x")]), raw=True) == [(b"server", b"x")]
+
+
+def test_credentials_are_never_indexed_nor_cached() -> None:
+    """The provider keys the proxy injects upstream (and every other credential field): "never
+    indexed" (RFC 7541 7.1.3, so no intermediary re-encoding the head may index it either),
+    and never kept in the process-wide cache of encoded fields."""
+    from proxycore.protocol.credentials import CREDENTIAL_HEADERS
+    from proxycore.protocol.http2 import hpack_out
+
+    encoder = StatelessEncoder()
+    for name in sorted(CREDENTIAL_HEADERS):
+        secret = b"sk-test-" + name
+        block = encoder.encode([(b":method", b"POST"), (name, secret)])
+        assert hpack.Decoder().decode(block, raw=True)[1] == (name, secret)
+        assert block[1] & 0xF0 == 0x10, name  # after the one-octet :method POST
+        assert not any(secret == value for _, value in hpack_out._cache), name

@@ -49,6 +49,7 @@ from proxycore.protocol.http2.events import (
     StreamReset,
     TrailersReceived,
 )
+from proxycore.protocol.http2.hpack_out import StatelessEncoder
 from proxycore.protocol.http2.limits import MAX_STREAM_ID, H2Limits
 
 __all__ = ["H2Client", "RequestUnsendable"]
@@ -84,10 +85,14 @@ class H2Client(H2Endpoint):
             header_encoding=None,
             validate_inbound_headers=True,
             normalize_inbound_headers=True,
-            validate_outbound_headers=True,
-            normalize_outbound_headers=True,
+            # Our own heads, checked by _check_fields before h2 sees them and encoded by the
+            # stateless encoder (hpack_out.py): an injected credential is never indexed, and
+            # nothing the agent sends on one stream shares a compression context with it.
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
         )
         h2c = h2.connection.H2Connection(config)
+        h2c.encoder = StatelessEncoder()  # type: ignore[assignment]
         h2c.local_settings = h2.settings.Settings(
             client=True,
             initial_values={

@@ -1,28 +1,30 @@
-"""The HPACK encoder of our responses: stateless (no dynamic table), each field cached.
+"""The HPACK encoder of our heads (responses to agents, requests to upstreams): stateless (no
+dynamic table), each field cached.
 
 Theory of operation
 -------------------
-h2 encodes a response head by calling `encoder.encode(fields)` on its connection's encoder
-(`H2Connection.encoder`); `H2Server` puts a `StatelessEncoder` there. It writes every field as
-an index into HPACK's static table when the whole field is in it (RFC 7541 6.1), else as a
-literal that is never added to the client's dynamic table (6.2.2 "without indexing", or 6.2.3
-"never indexed" for the fields that carry secrets), the name as a static index when the table
-has it, strings without Huffman coding (5.2). Nothing it writes changes the decoder's state, so:
+h2 encodes a head by calling `encoder.encode(fields)` on its connection's encoder
+(`H2Connection.encoder`); `H2Server` and `H2Client` put a `StatelessEncoder` there. It writes
+every field as an index into HPACK's static table when the whole field is in it (RFC 7541 6.1),
+else as a literal that is never added to the peer's dynamic table (6.2.2 "without indexing",
+or 6.2.3 "never indexed" for the fields that carry secrets), the name as a static index when the
+table has it, strings without Huffman coding (5.2). Nothing it writes changes the decoder's
+state, so:
 
 - encoding a field is a pure function of the field, and its bytes are cached (one bounded dict
   for the process: the same bytes for every connection, so nothing is held per connection;
   fields that carry secrets are never cached);
   h2's own encoder (hpack.Encoder) searched its tables and re-encoded every field of every
   response: the largest single cost of a small response (bench/bench_h2.py, docs/benchmarks.md);
-- a head that h2 refuses after encoding cannot leave the client's decoder out of step;
-- no response field can serve as a compression oracle on another (the dynamic table is shared by
+- a head that h2 refuses after encoding cannot leave the peer's decoder out of step;
+- no field can serve as a compression oracle on another (the dynamic table is shared by
   every stream of the connection: CRIME-like probing, RFC 7541 7.1).
 
 The price is bytes on the wire: a repeated field costs its literal each time instead of one
-octet. A client's SETTINGS_HEADER_TABLE_SIZE is accepted and needs no answer: an encoder that
+octet. A peer's SETTINGS_HEADER_TABLE_SIZE is accepted and needs no answer: an encoder that
 never inserts never has to signal a table size update (RFC 7541 4.2, 6.3).
 
-The request side keeps hpack's Decoder (h2's), which enforces the header list size.
+Incoming heads keep hpack's Decoder (h2's), which enforces the header list size.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hpack.table import HeaderTable
+
+from proxycore.protocol.credentials import CREDENTIAL_HEADERS
 
 __all__ = ["StatelessEncoder", "encode_field"]
 
@@ -40,9 +44,9 @@ for _index, (_name, _value) in enumerate(HeaderTable.STATIC_TABLE, start=1):
     _STATIC_FIELD.setdefault((_name, _value), _index)
     _STATIC_NAME.setdefault(_name, _index)
 
-# Fields whose values are secrets or guessable ones: never indexed (RFC 7541 7.1.3), as h2's own
-# normalization marks them.
-_SENSITIVE = frozenset({b"authorization", b"proxy-authorization", b"cookie", b"set-cookie"})
+# Fields whose values are secrets: never indexed (RFC 7541 7.1.3) and never cached. Every field a
+# credential travels in (the provider keys the proxy injects upstream among them), and cookies.
+_SENSITIVE = CREDENTIAL_HEADERS | {b"set-cookie"}
 
 _CACHE_LIMIT = 1024
 _cache: dict[tuple[bytes, bytes], bytes] = {}
@@ -85,7 +89,7 @@ class StatelessEncoder:
     __slots__ = ("header_table_size",)
 
     def __init__(self) -> None:
-        self.header_table_size = 4096  # the client's setting: nothing to do with it
+        self.header_table_size = 4096  # the peer's setting: nothing to do with it
 
     def encode(self, headers: Iterable[tuple[bytes, bytes]], huffman: bool = True) -> bytes:
         cache = _cache
