@@ -37,8 +37,14 @@ def injected_key(app: Appliance, provider: FakeServer, crew: str, gateway: str) 
         "content-length: 2\\r\\nConnection: close\\r\\n\\r\\n{}' | "
         f"nc -w 5 {gateway} {app.port}"
     )
-    app.ctl("run", crew, "--", "sh", "-c", raw)
-    return list(provider.last().all("x-api-key"))
+    for _ in range(2):
+        done = app.ctl("run", crew, "--", "sh", "-c", raw)
+        if provider.received:
+            return list(provider.last().all("x-api-key"))
+        # Nothing reached the provider (seen once in CI, right after the crew was created):
+        # one more try, and if that fails too, what the run and the daemon said.
+        time.sleep(1)
+    raise AssertionError(f"no request reached the provider: {done!r}\n{app.log_text()[-3000:]}")
 
 
 def journal(app: Appliance, kind: str) -> list[dict[str, Any]]:
