@@ -469,7 +469,7 @@ async def _relay_stream(
     scrub = scrubber.stream()
     # gRPC: each message scrubbed whole as it completes, never held back (grpc.py).
     messages = (
-        MessageScrubber(scrubber, conn.limits.max_body_bytes)
+        MessageScrubber(scrubber, conn.limits.max_body_bytes, conn.crew.buffered)
         if is_grpc(response.get(b"content-type"))
         else None
     )
@@ -527,6 +527,9 @@ async def _relay_stream(
         ended = f"upstream_protocol_error: {exc}"
     except _UpstreamBroken as exc:
         ended = f"upstream_closed: {exc}"
+    finally:
+        if messages is not None:
+            messages.release()
     progress.redactions = max(0, markers_out.count - markers_in.count)
     if ended != "complete":
         # Too late for a refusal: the agent sees the connection end without the last chunk
