@@ -255,11 +255,6 @@ def _speaks_h2(
         return alpn
     if plan.host in h2c_hosts or f"{plan.host}:{plan.port}" in h2c_hosts:
         return True
-    return _is_grpc(head)
-
-
-def _is_grpc(head: http1.RequestHead) -> bool:
-    """A gRPC request (its content-type is application/grpc, +proto, +json...)."""
     return is_grpc(head.get(b"content-type"))
 
 

@@ -24,6 +24,7 @@ from proxycore.io import forward
 from proxycore.io.progress import RECV_SIZE, Refused
 from proxycore.io.upstream_h2_stream import H2Stream
 from proxycore.protocol import http1
+from proxycore.protocol.grpc import is_grpc
 from proxycore.protocol.plans import Forward
 from proxycore.protocol.trailers import relayable, section
 
@@ -35,7 +36,7 @@ __all__ = ["serve_duplex", "takes_duplex"]
 
 def takes_duplex(head: http1.RequestHead) -> bool:
     """Whether a Forward plan for `head` is served here: a gRPC request with a chunked body."""
-    return head.body_kind is http1.BodyKind.CHUNKED and forward._is_grpc(head)
+    return head.body_kind is http1.BodyKind.CHUNKED and is_grpc(head.get(b"content-type"))
 
 
 async def serve_duplex(conn: ClientConnection, plan: Forward, head: http1.RequestHead) -> bool:

@@ -106,8 +106,8 @@ class StreamPipe(PlainStream):
         self._wake_reader()
 
     def feed_body(self, data: bytes, flow_length: int, *, ended: bool) -> None:
-        if data and self._chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
+        if self._chunked:
+            data = http1.encode_chunk(data)
         if data or flow_length:
             self._body.append((data, flow_length))
         if ended:

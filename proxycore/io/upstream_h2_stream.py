@@ -21,6 +21,7 @@ from proxycore.errors import HttpProtocolError
 from proxycore.io.h2_stream import take_piece
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.protocol import http1
+from proxycore.protocol.http2 import ErrorCode
 from proxycore.protocol.http2.client import RequestUnsendable
 from proxycore.protocol.http2.events import ResponseReceived
 from proxycore.protocol.http2.outbound import request_fields, response_head
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from proxycore.io.upstream_h2 import H2Upstream
 
 __all__ = ["H2Stream"]
-
-_CANCEL, _NO_ERROR, _PROTOCOL_ERROR = 0x8, 0x0, 0x1
 
 
 class H2Stream:
@@ -165,7 +164,7 @@ class H2Stream:
         if self.broken is not None:
             raise trio.BrokenResourceError(self.broken)
         if scope.cancelled_caught:
-            self.connection.client.reset(self.stream_id, _CANCEL)
+            self.connection.client.reset(self.stream_id, ErrorCode.CANCEL)
             self.connection.kick()
             self._fail_request("send window stalled (the upstream never opened it)")
 
@@ -176,7 +175,7 @@ class H2Stream:
         """The request cannot be completed (its body failed): reset the stream; the response
         side reads the failure."""
         if self.stream_id:
-            self.connection.client.reset(self.stream_id, _CANCEL)
+            self.connection.client.reset(self.stream_id, ErrorCode.CANCEL)
             self.connection.streams.pop(self.stream_id, None)
             self.connection.kick()
         self.break_off(why, refused=False)
@@ -186,7 +185,7 @@ class H2Stream:
     def on_response(self, event: ResponseReceived) -> None:
         rendered = response_head(event, self._method)
         if rendered is None:
-            self.connection.client.reset(self.stream_id, _PROTOCOL_ERROR)
+            self.connection.client.reset(self.stream_id, ErrorCode.PROTOCOL_ERROR)
             self.connection.streams.pop(self.stream_id, None)
             self.break_off("the upstream sent a malformed response head", refused=False)
             return
@@ -265,5 +264,7 @@ class H2Stream:
         elif complete and self._sent_end:
             connection.client.finish(self.stream_id)
         else:
-            connection.client.reset(self.stream_id, _CANCEL if not complete else _NO_ERROR)
+            connection.client.reset(
+                self.stream_id, ErrorCode.CANCEL if not complete else ErrorCode.NO_ERROR
+            )
         connection.stream_done(self, complete=complete)

@@ -20,20 +20,15 @@ they are dropped, as RFC 9110 6.5.1 allows a recipient to.
 
 from __future__ import annotations
 
-import re
-
 from native.scrub import Scrubber
 from proxycore.protocol.credentials import CREDENTIAL_HEADERS
 from proxycore.protocol.http1 import HOP_BY_HOP, RequestHead
 from proxycore.protocol.http1.grammar import comma_tokens
+from proxycore.protocol.http2.fields import well_formed
 from proxycore.protocol.scrubbing import scrub_field_lines
 
 __all__ = ["accepts_trailers", "relayable", "scrubbed_section", "section"]
 
-_NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
-_VALUE_RE = re.compile(
-    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
-)
 _NEVER = HOP_BY_HOP | {b"content-length", b"host", b"http2-settings"}
 _NEVER_IN_REQUESTS = _NEVER | CREDENTIAL_HEADERS
 
@@ -44,9 +39,7 @@ def relayable(
     """The fields of a trailer section that may travel on (see the module docstring)."""
     never = _NEVER_IN_REQUESTS if request else _NEVER
     return [
-        (name, value)
-        for name, value in fields
-        if _NAME_RE.fullmatch(name) and _VALUE_RE.fullmatch(value) and name not in never
+        (name, value) for name, value in fields if well_formed(name, value) and name not in never
     ]
 
 

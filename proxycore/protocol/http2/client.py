@@ -32,8 +32,6 @@ reset with `refused=True` (safe to send again), as are those reset with REFUSED_
 
 from __future__ import annotations
 
-import re
-
 import h2.config
 import h2.connection
 import h2.errors
@@ -49,6 +47,7 @@ from proxycore.protocol.http2.events import (
     StreamReset,
     TrailersReceived,
 )
+from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, FIELD_NAME, FIELD_VALUE
 from proxycore.protocol.http2.hpack_out import StatelessEncoder
 from proxycore.protocol.http2.limits import MAX_STREAM_ID, H2Limits
 
@@ -56,17 +55,10 @@ __all__ = ["H2Client", "RequestUnsendable"]
 
 ErrorCode = h2.errors.ErrorCodes
 
-# Field names: lowercase tokens; values: no controls, no surrounding whitespace (RFC 9113
-# 8.2.1). Checked before h2 encodes anything: h2 changes the HPACK encoder's state before some
-# of its own checks, which would leave the upstream's decoder out of step.
-_NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
-_VALUE_RE = re.compile(
-    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
-)
+# Request fields are checked (fields.py) before h2 encodes anything: h2 changes the HPACK
+# encoder's state before some of its own checks, which would leave the upstream's decoder out
+# of step.
 _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path"})
-_CONNECTION_SPECIFIC = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
-)
 
 
 class RequestUnsendable(Exception):
@@ -162,19 +154,6 @@ class H2Client(H2Endpoint):
         events: list[H2Event] = []
         self._receive_frames(events, now)
         return events
-
-    def _feed(self, frame: bytes, events: list[H2Event]) -> None:
-        try:
-            received = self._h2.receive_data(frame)
-        except h2.exceptions.DenialOfServiceError as exc:
-            self._failed(f"HPACK: {exc}", ErrorCode.ENHANCE_YOUR_CALM, "h2_header_list")
-        except h2.exceptions.ProtocolError as exc:
-            self._failed(str(exc) or type(exc).__name__, exc.error_code, "h2_protocol_error")
-        except Exception as exc:  # hpack's and hyperframe's own errors: unreadable input
-            why = f"{type(exc).__name__}: {exc}"
-            self._fail(why, ErrorCode.PROTOCOL_ERROR, "h2_protocol_error")
-        for event in received:
-            self._convert(event, events)
 
     def _convert_own(self, event: h2.events.Event, events: list[H2Event]) -> None:
         if isinstance(event, h2.events.ResponseReceived):
@@ -313,7 +292,7 @@ def _check_fields(fields: list[tuple[bytes, bytes]], *, pseudo: frozenset[bytes]
                 raise RequestUnsendable(f"empty {name.decode()}")
             continue
         regular = True
-        if not _NAME_RE.fullmatch(name) or not _VALUE_RE.fullmatch(value):
+        if not FIELD_NAME.fullmatch(name) or not FIELD_VALUE.fullmatch(value):
             raise RequestUnsendable("a field HTTP/2 cannot carry")
-        if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
+        if name in CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
             raise RequestUnsendable("a connection-specific field (RFC 9113 8.2.2)")

@@ -29,8 +29,6 @@ streams could not finish.
 
 from __future__ import annotations
 
-import re
-
 import h2.config
 import h2.connection
 import h2.errors
@@ -49,6 +47,7 @@ from proxycore.protocol.http2.events import (
     StreamReset,
     TrailersReceived,
 )
+from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, well_formed
 from proxycore.protocol.http2.hpack_out import StatelessEncoder
 from proxycore.protocol.http2.limits import H2Limits
 
@@ -58,17 +57,9 @@ __all__ = ["PREFACE", "ErrorCode", "H2Server", "preface_state"]
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 ErrorCode = h2.errors.ErrorCodes
 
-# Response fields h2 would refuse (after encoding some of them): lowercase token names; values
-# without controls or surrounding whitespace (RFC 9113 8.2.1); no connection-specific fields
-# (RFC 9113 8.2.2).
-_NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
-_VALUE_RE = re.compile(
-    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
-)
+# Response fields h2 would refuse (after encoding some of them): fields.py, and never TE.
 _PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
-_CONNECTION_SPECIFIC = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade", b"te"}
-)
+_CONNECTION_SPECIFIC = CONNECTION_SPECIFIC | {b"te"}
 
 
 class H2Server(H2Endpoint):
@@ -166,22 +157,14 @@ class H2Server(H2Endpoint):
         # h2 refuses it (FRAME_SIZE_ERROR): feed the header alone, never the payload.
         self._feed(header, events)
 
-    def _feed(self, frame: bytes, events: list[H2Event]) -> None:
-        try:
-            received = self._h2.receive_data(frame)
-        except h2.exceptions.DenialOfServiceError as exc:
-            # h2 queued GOAWAY ENHANCE_YOUR_CALM (e.g. HPACK's OversizedHeaderListError).
-            self._failed(f"HPACK: {exc}", ErrorCode.ENHANCE_YOUR_CALM, "h2_header_list")
-        except h2.exceptions.ProtocolError as exc:
-            self._failed(str(exc) or type(exc).__name__, exc.error_code, _rule_of(exc))
-        except Exception as exc:  # hpack's and hyperframe's own errors: unreadable input
-            # h2 converts the ones it knows; anything else from the client's bytes still ends
-            # this connection alone, with a GOAWAY and its journal entry, as the client does.
-            self._fail(
-                f"{type(exc).__name__}: {exc}", ErrorCode.PROTOCOL_ERROR, "h2_protocol_error"
-            )
-        for event in received:
-            self._convert(event, events)
+    def _rule_of(self, exc: h2.exceptions.ProtocolError) -> str:
+        if isinstance(exc, h2.exceptions.TooManyStreamsError):
+            return "h2_max_concurrent_streams"
+        if isinstance(exc, h2.exceptions.FlowControlError):
+            return "h2_flow_control"
+        if isinstance(exc, h2.exceptions.FrameTooLargeError):
+            return "h2_frame_size"
+        return "h2_protocol_error"
 
     def _convert_own(self, event: h2.events.Event, events: list[H2Event]) -> None:
         if isinstance(event, h2.events.RequestReceived):
@@ -290,9 +273,7 @@ class H2Server(H2Endpoint):
             return False
         fields = [(b":status", b"%d" % status)]
         fields += [
-            (n, v)
-            for n, v in headers
-            if n not in _CONNECTION_SPECIFIC and _NAME_RE.fullmatch(n) and _VALUE_RE.fullmatch(v)
+            (n, v) for n, v in headers if n not in _CONNECTION_SPECIFIC and well_formed(n, v)
         ]
         if not self._send(lambda: self._h2.send_headers(stream_id, fields, end_stream=end)):
             return False
@@ -332,8 +313,7 @@ class H2Server(H2Endpoint):
         dropped. False when the stream is gone or has no final head yet."""
         if stream_id not in self._live or stream_id not in self._responded:
             return False
-        fields = [(n, v) for n, v in headers if _NAME_RE.fullmatch(n) and _VALUE_RE.fullmatch(v)]
-        fields = [(n, v) for n, v in fields if n not in _CONNECTION_SPECIFIC]
+        fields = [(n, v) for n, v in headers if n not in _CONNECTION_SPECIFIC and well_formed(n, v)]
         if not self._send(lambda: self._h2.send_headers(stream_id, fields, end_stream=True)):
             return False
         self._end(stream_id)
@@ -386,16 +366,6 @@ class H2Server(H2Endpoint):
     def _end(self, stream_id: int) -> bool:
         self._responded.discard(stream_id)
         return super()._end(stream_id)
-
-
-def _rule_of(exc: h2.exceptions.ProtocolError) -> str:
-    if isinstance(exc, h2.exceptions.TooManyStreamsError):
-        return "h2_max_concurrent_streams"
-    if isinstance(exc, h2.exceptions.FlowControlError):
-        return "h2_flow_control"
-    if isinstance(exc, h2.exceptions.FrameTooLargeError):
-        return "h2_frame_size"
-    return "h2_protocol_error"
 
 
 def preface_state(buffer: bytes | bytearray) -> bool | None:

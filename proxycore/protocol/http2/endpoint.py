@@ -178,7 +178,25 @@ class H2Endpoint:
                 )
 
     def _feed(self, frame: bytes, events: list[H2Event]) -> None:
-        raise NotImplementedError
+        """One frame to h2; what it makes of it converted. h2's refusals end the connection
+        naming the rule; any other exception from its parsers (hpack's, hyperframe's) is
+        unreadable input from the peer and ends this connection alone, the same way."""
+        try:
+            received = self._h2.receive_data(frame)
+        except h2.exceptions.DenialOfServiceError as exc:
+            # h2 queued GOAWAY ENHANCE_YOUR_CALM (e.g. HPACK's OversizedHeaderListError).
+            self._failed(f"HPACK: {exc}", ErrorCode.ENHANCE_YOUR_CALM, "h2_header_list")
+        except h2.exceptions.ProtocolError as exc:
+            self._failed(str(exc) or type(exc).__name__, exc.error_code, self._rule_of(exc))
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            self._fail(why, ErrorCode.PROTOCOL_ERROR, "h2_protocol_error")
+        for event in received:
+            self._convert(event, events)
+
+    def _rule_of(self, exc: h2.exceptions.ProtocolError) -> str:
+        """The rule an h2 protocol error is journaled under."""
+        return "h2_protocol_error"
 
     def _convert(self, event: h2.events.Event, events: list[H2Event]) -> None:
         """h2's event as ours: the ones both sides report alike here, the rest by the side."""

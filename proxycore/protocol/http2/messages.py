@@ -30,26 +30,16 @@ from proxycore.errors import PolicyDenied
 from proxycore.protocol import http1
 from proxycore.protocol.http1.grammar import TOKEN
 from proxycore.protocol.http2.events import RequestReceived
+from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, FIELD_NAME, FIELD_VALUE
 from proxycore.protocol.policy import normalize_host
 
 __all__ = ["MessageRefused", "request_head", "response_fields"]
 
 _TOKEN_RE = re.compile(TOKEN)
-# Field names: tokens in lowercase (RFC 9113 8.2.1).
-_NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
-# Field values: VCHAR, obs-text, SP and HTAB inside (RFC 9110 5.5); no leading or trailing
-# whitespace (RFC 9113 8.2.1).
-_VALUE_RE = re.compile(
-    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
-)
 _TARGET_RE = re.compile(rb"[\x21-\x7e]+")
 # Replaced by the head's own (host from :authority, framing, connection).
 _REPLACED = frozenset({b"host", b"te"})
-# RFC 9113 8.2.2: connection-specific fields never go into an HTTP/2 message.
-_CONNECTION_SPECIFIC = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
-)
-_RESPONSE_DROP = http1.HOP_BY_HOP | _CONNECTION_SPECIFIC
+_RESPONSE_DROP = http1.HOP_BY_HOP | CONNECTION_SPECIFIC
 _CLOSE_DROP = _RESPONSE_DROP | {b"close"}
 
 
@@ -104,10 +94,10 @@ def request_head(request: RequestReceived, gateway: str) -> bytes:
     cookies: list[bytes] = []
     length: bytes | None = None
     for name, value in request.headers:
-        if not _NAME_RE.fullmatch(name) or not _VALUE_RE.fullmatch(value):
+        if not FIELD_NAME.fullmatch(name) or not FIELD_VALUE.fullmatch(value):
             # RFC 9113 8.2.1: uppercase names, CR, LF, NUL, surrounding whitespace: malformed.
             raise MessageRefused(400, "bad_request", "a header field HTTP/2 forbids")
-        if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
+        if name in CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
             # RFC 9113 8.2.2: connection-specific fields make the request malformed.
             raise MessageRefused(400, "bad_request", "a connection-specific header field")
         if name in _REPLACED:

@@ -22,18 +22,14 @@ the exchange answers 502.
 
 from __future__ import annotations
 
-import re
 from http import HTTPStatus
 
 from proxycore.protocol import http1
 from proxycore.protocol.http2.events import ResponseReceived
+from proxycore.protocol.http2.fields import FIELD_NAME, FIELD_VALUE
 
 __all__ = ["request_fields", "response_head"]
 
-_NAME_RE = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-z]+")
-_VALUE_RE = re.compile(
-    rb"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?"
-)
 _REQUEST_DROP = http1.HOP_BY_HOP | {b"host", b"http2-settings", b"expect"}
 _RESPONSE_DROP = http1.HOP_BY_HOP | {b"content-length"}
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
@@ -62,7 +58,7 @@ def response_head(event: ResponseReceived, method: bytes) -> tuple[bytes, bool] 
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
     length: bytes | None = None
     for name, value in event.headers:
-        if not _NAME_RE.fullmatch(name) or not _VALUE_RE.fullmatch(value):
+        if not FIELD_NAME.fullmatch(name) or not FIELD_VALUE.fullmatch(value):
             return None
         if name == b"content-length":
             if length is not None and value != length:
