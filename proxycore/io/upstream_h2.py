@@ -167,10 +167,6 @@ class H2Pool:
                 connection.shut("proxy stopping")
         self.connections.clear()
 
-    def count(self, crew: str) -> int:
-        """Open HTTP/2 connections of `crew` (for tests and status)."""
-        return sum(len(g) for key, g in self.connections.items() if key[0] == crew)
-
 
 class H2Upstream:
     """One HTTP/2 connection to an upstream (see the module docstring)."""
