@@ -77,8 +77,10 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     upstream_connections_per_crew: PositiveInt = 512
     # Idle kept-alive upstream connections kept per crew (its pool, all hosts together), and
     # how long one may stay idle before it is closed (servers drop idle ones anyway: nginx
-    # keepalive_timeout 75 s, many APIs less).
-    upstream_idle_per_crew: PositiveInt = 64
+    # keepalive_timeout 75 s, many APIs less). Above one agent connection's HTTP/2 streams
+    # (`h2_max_concurrent_streams`): each stream to an HTTP/1.1 upstream holds a connection, and
+    # a pool smaller than a crew's requests in flight opens and closes one per request.
+    upstream_idle_per_crew: PositiveInt = 128
     upstream_idle_timeout: PositiveFloat = 30.0
     # Name lookups one crew may have in flight: a crew whose lookups hang waits for its own
     # share, never for another crew's.
