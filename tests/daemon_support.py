@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,8 +183,15 @@ resolve = {{ {resolve} }}
     def _instance_line(self) -> str:
         return f'instance = "{self.configured_instance}"\n' if self.configure_instance else ""
 
-    def start(self, env: dict[str, str] | None = None, *, tree: Path | None = None) -> None:
-        """`tree`: the source tree to run applianced from (another version's), else this one."""
+    def start(
+        self,
+        env: dict[str, str] | None = None,
+        *,
+        tree: Path | None = None,
+        wrapper: Sequence[str] = (),
+    ) -> None:
+        """`tree`: the source tree to run applianced from (another version's), else this one.
+        `wrapper`: a command that execs its arguments (setpriv with the unit's capabilities)."""
         log = self.tmp / f"applianced-{len(self.logs)}.log"
         self.logs.append(log)
         # An applianced of another version is driven by that version's appliancectl (its admin
@@ -195,7 +203,15 @@ resolve = {{ {resolve} }}
             environment["PYTHONPATH"] = str(tree)
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "appliance.cli", "up", "--config", str(self.config)],
+                [
+                    *wrapper,
+                    sys.executable,
+                    "-m",
+                    "appliance.cli",
+                    "up",
+                    "--config",
+                    str(self.config),
+                ],
                 env=environment,
                 stdout=out,
                 stderr=out,

@@ -57,6 +57,7 @@ from .config import ApplianceConfig, config_file, load_config, metrics_address
 from .credentials import CredentialsApi
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
+from .images import build_images_step, resolve_images_notifying
 from .instance import derive_instance_id, lock_instance, unlock_instance
 from .metrics import DaemonMetrics, Traffic
 from .metrics import serve_tcp as serve_metrics
@@ -74,9 +75,6 @@ JOURNAL_FILE = "journal.db"
 # not in the state directory, which the workers (UID [proxy] uid) cannot enter: see keeper_dir.
 KEEPER_SOCKET = "keeper.sock"
 KEEPER_RECENT_ENTRIES = 20
-# While the images are built at start (minutes, the first time), the service manager's start
-# timeout is pushed this far ahead, again every third of it (EXTEND_TIMEOUT_USEC).
-IMAGE_BUILD_EXTEND = 60.0
 # How often the STATUS= line is brought up to date with the proxy workers' state once serving.
 STATUS_INTERVAL = 1.0
 
@@ -97,20 +95,6 @@ def load_provider(config: ApplianceConfig) -> RuntimeProvider:
         raise ConfigInvalid(f"`daemon.provider`: cannot load {spec!r}: {exc}") from None
     made: RuntimeProvider = factory(config)
     return made
-
-
-def resolve_images(config: ApplianceConfig) -> tuple[str, str]:
-    """(agent, infra) image tags: configured, or built/found by images.build for Docker."""
-    agent, infra = config.images.agent, config.images.infra
-    if agent and infra:
-        return agent, infra
-    if config.daemon.provider != "docker":
-        return agent or "none", infra or "none"
-    from images.build import ensure_images
-
-    # Built once per recipe and cached (images/); a no-op when the tagged images exist.
-    tags = ensure_images()
-    return agent or tags.agent, infra or tags.infra
 
 
 class Daemon:
@@ -185,23 +169,6 @@ class Daemon:
             proxy_uid=self.proxy.drop_to[0] if self.proxy.drop_to else None,
             proxy_workers=self.proxy.worker_status(),
         )
-
-    async def _resolve_images(self) -> tuple[str, str]:
-        """resolve_images in a thread, the service manager's start timeout pushed ahead meanwhile
-        (a first start builds the images)."""
-        self.notifier.status("starting: the agent and infra images (a first start builds them)")
-        async with trio.open_nursery() as nursery:
-
-            async def extend() -> None:
-                while True:
-                    self.notifier.extend_timeout(IMAGE_BUILD_EXTEND)
-                    await trio.sleep(IMAGE_BUILD_EXTEND / 3)
-
-            if self.notifier.enabled:
-                nursery.start_soon(extend)
-            images = await trio.to_thread.run_sync(resolve_images, self.config)
-            nursery.cancel_scope.cancel()
-        return images
 
     def _serving_status(self) -> str:
         workers = self.proxy.worker_status()
@@ -305,7 +272,7 @@ class Daemon:
             self.credentials_api.scrubbed += [journal, self.proxy]
             # (on this thread: the store's SQLite connection belongs to it; a few ms)
             self.credentials_api.refresh_scrubbers()
-            images = await self._resolve_images()
+            images = await resolve_images_notifying(self.config, self.notifier)
             self.crews = CrewManager(
                 self.config,
                 self.provider,
@@ -511,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the configuration and this host against it, then exit (0 valid, 2 not)",
     )
     parser.add_argument("--json", action="store_true", help="with --check: the report as JSON")
+    parser.add_argument(
+        "--build-images",
+        action="store_true",
+        help="find or build the agent and infra images, then exit (the unit's ExecStartPre: "
+        "the build needs more privilege than the daemon, docs/systemd.md)",
+    )
     return parser
 
 
@@ -530,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("applianced: needs root (netlink, nftables, the engine)", file=sys.stderr)
         return 1
+    if args.build_images:
+        return build_images_step(config)
     return run_daemon(config, source=file or "<defaults>")
 
 
