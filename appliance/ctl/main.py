@@ -36,13 +36,10 @@ _ADMIN_SOCKET_COMMANDS = frozenset({"status", "crew", "run", "net", "events", "j
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
+    """The appliance's version (appliance/_version.py: what the package and the artifact carry)."""
+    from appliance._version import __version__
 
-    try:
-        return package_version("agent-appliance")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return __version__
 
 
 def _leaf(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -39,6 +39,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from appliance._version import __version__
 from appliance.credstore import CredentialStore, load_key
 from appliance.journal import Journal
 from appliance.journal.recorder import JournalRecorder
@@ -469,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 stopped cleanly (or --check: valid), 1 failed, 2 a configuration "
         "this host cannot run (each problem on stderr: file, key, reason)",
     )
+    parser.add_argument("--version", action="version", version=f"applianced {__version__}")
     parser.add_argument(
         "--config", help="the configuration file (default /etc/agent-appliance/appliance.toml)"
     )
