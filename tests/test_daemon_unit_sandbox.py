@@ -9,9 +9,15 @@ injected), restarts a killed worker, stops cleanly, and at a second start adopts
 crew (which opens /proc/PID/ns/net of the infra container's process again). The workers it
 starts hold no capability at all and no_new_privs (/proc/PID/status, proc(5)).
 
-What setpriv cannot apply (the seccomp filter, the mount namespace of ProtectSystem= and
-friends, RestrictNamespaces=, RestrictAddressFamilies=) is not exercised here: docs/systemd.md
-says so and why each is expected to hold.
+The second run ("whole-unit") adds, in systemd's order, the unit's mount namespace (unshare(1):
+the root read-only as `ProtectSystem=strict` and `ProtectHome=read-only` make it, the state and
+run directories bound writable as `ReadWritePaths=` and `RuntimeDirectory=` do, a /proc with
+hidepid=invisible as `ProtectProc=invisible`) and its seccomp filter, built from the template
+by tests/unit_seccomp.py with libseccomp and systemd's own system call groups
+(`SystemCallFilter=@system-service`, `SystemCallErrorNumber=EPERM`, `RestrictAddressFamilies=`,
+`RestrictNamespaces=net`, `MemoryDenyWriteExecute=`, `RestrictSUIDSGID=` on chmod,
+`LockPersonality=`). These are emulations of what systemd does, not systemd: the unit itself
+has not been started by systemd here (docs/systemd.md says what is left).
 """
 
 from __future__ import annotations
@@ -68,8 +74,34 @@ def unit_directives() -> dict[str, str]:
     return directives
 
 
-def sandbox_wrapper() -> tuple[list[str], int]:
-    """The argv prefix that gives its command the unit's privileges; the CapBnd it must have."""
+# ProtectSystem=strict (with ProtectHome=read-only: the whole root read-only), ReadWritePaths= and
+# RuntimeDirectory= (bind mounts made writable again), ProtectProc=invisible (a procfs of its
+# own with hidepid=invisible), in a mount namespace whose mounts the host does not see
+# (PrivateMounts=). On this machine every path is on the root file system.
+def mount_wrapper(writable: list[Path]) -> list[str]:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    script = "\n".join(
+        [
+            "set -e",
+            *(f"mkdir -p '{path}'" for path in writable),
+            "mount -o remount,bind,ro /",
+            *(
+                f"mount --bind '{path}' '{path}' && mount -o remount,bind,rw '{path}'"
+                for path in writable
+            ),
+            "mount -t proc -o hidepid=invisible proc /proc",
+            'exec "$@"',
+        ]
+    )
+    return [unshare, "--mount", "--propagation", "slave", "--", "/bin/sh", "-c", script, "mounts"]
+
+
+def sandbox_wrapper(app: Appliance, whole_unit: bool) -> tuple[list[str], int]:
+    """The argv prefix that gives its command the unit's privileges (with `whole_unit`, also
+    its mount namespace and its system call filter: tests/unit_seccomp.py); the CapBnd it must
+    have."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv (util-linux) is not installed")
@@ -80,12 +112,27 @@ def sandbox_wrapper() -> tuple[list[str], int]:
     assert unit["NoNewPrivileges"] == "yes" and unit["AmbientCapabilities"] == ""
     mask = sum(1 << CAPABILITY_NUMBERS[name] for name in names)
     caps = ",".join(f"+{name.removeprefix('CAP_').lower()}" for name in names)
-    wrapper = [
+    wrapper: list[str] = []
+    if whole_unit:
+        if shutil.which("systemd-analyze") is None:
+            pytest.skip("systemd-analyze (Debian package systemd) lists the unit's system calls")
+        assert unit["ProtectSystem"] == "strict" and unit["ProtectProc"] == "invisible"
+        # The test instance's ReadWritePaths (its state directory) and RuntimeDirectory (its
+        # admin socket's directory, and the keeper's run_dir, the default).
+        wrapper += mount_wrapper(
+            [app.state_dir, app.socket.parent, Path("/run/agent-appliance-keeper")]
+        )
+    wrapper += [
         setpriv,
         f"--bounding-set=-all,{caps}",
         "--inh-caps=-all",
         "--no-new-privs",
         "--",
+    ]
+    if whole_unit:
+        wrapper += [sys.executable, str(ROOT / "tests" / "unit_seccomp.py"), "--unit", str(UNIT)]
+        wrapper += ["--"]
+    wrapper += [
         "/bin/sh",
         "-c",
         f'umask {unit["UMask"]} && exec "$@"',
@@ -124,11 +171,13 @@ def call_provider(app: Appliance, crew: str, provider: FakeServer) -> None:
     assert provider.last().all("x-api-key") == [REAL_KEYS["anthropic"]]
 
 
+@pytest.mark.parametrize("whole_unit", [False, True], ids=["capabilities", "whole-unit"])
 def test_applianced_serves_with_only_the_units_privileges(
-    appliance: Appliance, provider: FakeServer, plain_host: FakeServer
+    appliance: Appliance, provider: FakeServer, plain_host: FakeServer, whole_unit: bool
 ) -> None:
     app = appliance
-    wrapper, mask = sandbox_wrapper()
+    wrapper, mask = sandbox_wrapper(app, whole_unit)
+    seccomp = whole_unit
     app.start(wrapper=wrapper)
     assert app.process is not None
     fields = process_status(app.process.pid)
@@ -136,12 +185,26 @@ def test_applianced_serves_with_only_the_units_privileges(
     for field in ("CapBnd", "CapPrm", "CapEff"):
         assert int(fields[field], 16) == mask, (field, fields[field], hex(mask))
     assert fields["NoNewPrivs"] == "1"
+    # With the filter: mode 2 (SECCOMP_MODE_FILTER, proc(5)), and the workers inherit it.
+    assert fields["Seccomp"] == ("2" if seccomp else "0")
+    if whole_unit:
+        # Its own mount namespace: the root read-only, the state writable, /proc hidepid.
+        pid = app.process.pid
+        assert os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+        mounts = {
+            line.split()[4]: line.split()
+            for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        }
+        assert mounts["/"][5].startswith("ro"), mounts["/"]
+        assert mounts[str(app.state_dir)][5].startswith("rw"), mounts[str(app.state_dir)]
+        assert "hidepid=invisible" in " ".join(mounts["/proc"]), mounts["/proc"]
     # The umask reached it: what it creates is its own (the state directory's files).
     assert (app.state_dir / "applianced.lock").stat().st_mode & 0o077 == 0
 
     workers = wait_workers(app, 2)
     for pid in workers:
         assert_unprivileged(pid)
+        assert process_status(pid)["Seccomp"] == ("2" if seccomp else "0")
 
     crew = app.crew("units")
     code, created = app.ctl_json(
