@@ -128,7 +128,7 @@ def test_applianced_notifies_ready_watchdog_degraded_stopping(
     assert starting[0] == "STATUS=starting: the engine and the configuration"
     assert "STATUS=starting: reconciling the crews with the state" in starting
     assert any(line.startswith("STATUS=serving: 0 crews, 2 proxy workers") for line in ready[2])
-    # Every datagram came from applianced itself (not a worker): NotifyAccess=main holds.
+    # Every datagram came from applianced itself (not a worker): NotifyAccess=exec holds.
     assert {sender for sender, _, _ in notify_socket.received} == {pid}
 
     # WATCHDOG=1 every WATCHDOG_USEC / 2 (0.2 s) while the loop runs: the interval is the one
