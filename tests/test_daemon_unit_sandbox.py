@@ -98,7 +98,7 @@ def mount_wrapper(writable: list[Path]) -> list[str]:
     return [unshare, "--mount", "--propagation", "slave", "--", "/bin/sh", "-c", script, "mounts"]
 
 
-def sandbox_wrapper(app: Appliance, whole_unit: bool) -> tuple[list[str], int]:
+def sandbox_wrapper(writable: list[Path], whole_unit: bool) -> tuple[list[str], int]:
     """The argv prefix that gives its command the unit's privileges (with `whole_unit`, also
     its mount namespace and its system call filter: tests/unit_seccomp.py); the CapBnd it must
     have."""
@@ -117,11 +117,7 @@ def sandbox_wrapper(app: Appliance, whole_unit: bool) -> tuple[list[str], int]:
         if shutil.which("systemd-analyze") is None:
             pytest.skip("systemd-analyze (Debian package systemd) lists the unit's system calls")
         assert unit["ProtectSystem"] == "strict" and unit["ProtectProc"] == "invisible"
-        # The test instance's ReadWritePaths (its state directory) and RuntimeDirectory (its
-        # admin socket's directory, and the keeper's run_dir, the default).
-        wrapper += mount_wrapper(
-            [app.state_dir, app.socket.parent, Path("/run/agent-appliance-keeper")]
-        )
+        wrapper += mount_wrapper(writable)
     wrapper += [
         setpriv,
         f"--bounding-set=-all,{caps}",
@@ -176,7 +172,10 @@ def test_applianced_serves_with_only_the_units_privileges(
     appliance: Appliance, provider: FakeServer, plain_host: FakeServer, whole_unit: bool
 ) -> None:
     app = appliance
-    wrapper, mask = sandbox_wrapper(app, whole_unit)
+    # The test instance's ReadWritePaths (its state directory) and RuntimeDirectory (its admin
+    # socket's directory, and the keeper's run_dir, the default).
+    writable = [app.state_dir, app.socket.parent, Path("/run/agent-appliance-keeper")]
+    wrapper, mask = sandbox_wrapper(writable, whole_unit)
     seccomp = whole_unit
     app.start(wrapper=wrapper)
     assert app.process is not None
@@ -274,3 +273,34 @@ def test_build_images_step_with_configured_images(appliance: Appliance) -> None:
     assert done.returncode == 0, done.stderr
     assert "applianced: images ready: agent " in done.stdout
     assert not appliance.socket.exists()
+
+
+def test_the_sandboxed_daemon_finds_the_images_the_build_step_built(tmp_path: Path) -> None:
+    """The unit's two steps with the real images: `applianced --build-images` outside the
+    sandbox (the ExecStartPre, which builds them if missing), then the lookup the sandboxed
+    daemon makes at start (the engine's CLI, `docker image inspect`) inside the whole unit's
+    emulation: it must find them and build nothing (a build there would fail)."""
+    from tests.daemon_support import needs_root_and_docker
+
+    needs_root_and_docker()
+    config = tmp_path / "appliance.toml"
+    config.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n')
+    step = subprocess.run(
+        [sys.executable, "-m", "appliance.daemon.main", "--config", str(config), "--build-images"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
+    assert step.returncode == 0, step.stdout + step.stderr
+    wrapper, _ = sandbox_wrapper([tmp_path / "state"], whole_unit=True)
+    lookup = "from images.build import ensure_images; print(ensure_images().agent)"
+    found = subprocess.run(
+        [*wrapper, sys.executable, "-c", lookup],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert found.returncode == 0, found.stderr
+    assert f"agent {found.stdout.strip()}," in step.stdout, (step.stdout, found.stdout)
