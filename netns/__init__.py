@@ -4,7 +4,9 @@ Each crew gets a veth pair whose crew end lives in the crew's network namespace,
 configured pool (the gateway on the host end is the crew's identity at the proxy), and a chain
 in the appliance's nftables table that lets it reach exactly one thing: TCP to the proxy ports
 on its own gateway. Everything else (other host addresses, other crews, DNS, ICMP, IPv6,
-anything forwarded) is counted and dropped. docs/netns.md has the design and threat model.
+anything forwarded) is counted and dropped. And since the gateway is the crew's identity, the
+pool is refused to everything but the crews' own interfaces (the host itself, the LAN, other
+appliances' crews). docs/netns.md has the design and threat model.
 
 Modules, from the bottom up: `config` (frozen settings), `addressing` (the address plan, pure),
 `state` (the persistent allocation file), `nft` (table layout and atomic transactions), `kernel`

@@ -12,6 +12,12 @@ everything it lists and removes is its own. Two things are checked before anythi
 - this instance's table, if it exists, names this appliance as its owner (the token in the
   dispatch rule's comment): another state directory given the same id would take it over.
 
+And, with or without an instance id, no other appliance's table claims a pool that overlaps
+this one's (`check_pool_claims`, `PoolConflictError`): each table refuses its whole pool to all
+but its own crews' interfaces, so the crews of one in the other's pool would be refused by it.
+Its links would show the overlap too (`CrewNetworks.check_pool`), but an appliance with no crew
+has none; its table says so from its first start.
+
 State made under other names (before instance ids, or with another table or prefix) is taken
 off them (`rename`): the crews' former links first (each crew is cut off), then the former
 table, or only this appliance's chains in it if other crews still use it. `reconcile` then makes
@@ -20,10 +26,11 @@ them again under the current names, rules before links, as for any crew whose li
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 
 from .addressing import Naming, chain_name
-from .errors import InstanceConflictError
+from .errors import InstanceConflictError, PoolConflictError
 from .kernel import HostNetwork
 from .nft import (
     CREW_CHAIN_PREFIX,
@@ -31,6 +38,7 @@ from .nft import (
     NftBackend,
     TableState,
     interface_patterns,
+    pool_claims,
     read_table,
     table_claim,
 )
@@ -60,7 +68,7 @@ def check_claims(
     configuration's, as before instance ids."""
     old_table = None
     if old is not None and old.table != naming.table:
-        old_table = read_table(nft, Layout(old.table, 0, old.ifname_prefix, ()))
+        old_table = read_table(nft, Layout(old.table, 0, old.ifname_prefix, (), layout.pool))
     if naming.instance is None:
         return old_table
     mine = naming.ifname_prefix
@@ -88,6 +96,29 @@ def check_claims(
             "state directories were given one instance id; give each its own"
         )
     return old_table
+
+
+def check_pool_claims(nft: NftBackend, layout: Layout, old: Naming | None) -> None:
+    """Refuse (PoolConflictError, before anything is changed) to run beside another table of an
+    appliance that refuses part of this pool to all but its crews. This table, and the one
+    under the former names (a rename), are this appliance's own."""
+    mine = ipaddress.IPv4Network(layout.pool)
+    ours = {layout.table, old.table if old is not None else layout.table}
+    conflicts: list[str] = []
+    for table, pools in sorted(pool_claims(nft).items()):
+        if table in ours:
+            continue
+        for pool in sorted(pools):
+            try:
+                claimed = ipaddress.IPv4Network(pool)
+            except ValueError:
+                continue
+            if claimed.overlaps(mine):
+                conflicts.append(
+                    f"table inet {table} keeps {claimed} for the crews of another appliance"
+                )
+    if conflicts:
+        raise PoolConflictError(str(mine), tuple(conflicts))
 
 
 def rename(

@@ -24,7 +24,10 @@ The rules come before the link: from the moment the host end exists, its packets
 crew's chain, which accepts only TCP from the crew's address to its own gateway's proxy ports.
 And should a link with the appliance's prefix ever exist without a chain, the table's catch-all
 rule drops its traffic (see `nft.py`). So a crash between any two steps leaves nothing that
-grants access; the phase in the state file tells the next `reconcile` to undo it.
+grants access; the phase in the state file tells the next `reconcile` to undo it. And the
+gateway (the crew's identity at the proxy) is reachable from the crew's interface only: the
+table refuses the whole pool to every other interface, the host's own `lo` included, from the
+first batch on.
 
 Detaching runs the other way (phase DETACHING, delete the veth, which cuts the crew off at once,
 then the rules, then phase DETACHED). It is not rolled back on failure (re-creating a network
@@ -39,11 +42,14 @@ addressing.py), so that everything `reconcile` lists and removes is this applian
 of its own prefix, chains of its own table. Before it changes anything, `reconcile` checks that
 no other table on the host claims interfaces of its prefix (its tag could collide with another
 instance's) and that its table is not another appliance's with the same id (the owner token in
-the dispatch rule's comment); either refuses the start (`InstanceConflictError`). State from
-before instance ids (or from other names) is renamed: the crews' old links are deleted (each
-crew is cut off), the old table is deleted (or, if crews of another appliance still use it, only
-this appliance's chains are removed from it), then the new table and links are made as for any
-crew whose link is missing. Without `instance`, the names are the configuration's as they are.
+the dispatch rule's comment); either refuses the start (`InstanceConflictError`). With or
+without an instance id, it refuses a pool that another appliance's table claims (the pool in the
+comment of its `foreign` rule: its crews' pool, refused to all but them), or that the host uses
+(`PoolConflictError`). State from before instance ids (or from other names) is renamed: the
+crews' old links are deleted (each crew is cut off), the old table is deleted (or, if crews of
+another appliance still use it, only this appliance's chains are removed from it), then the new
+table and links are made as for any crew whose link is missing. Without `instance`, the names
+are the configuration's as they are.
 
 All methods are synchronous and blocking (netlink and nftables calls take milliseconds); a trio
 caller runs them with `trio.to_thread.run_sync`. One lock serializes them.
@@ -81,7 +87,7 @@ from .errors import (
     NetnsError,
     PoolConflictError,
 )
-from .instances import check_claims, rename
+from .instances import check_claims, check_pool_claims, rename
 from .kernel import (
     HostNetwork,
     InnerView,
@@ -258,6 +264,7 @@ class CrewNetworks:
                 priority=config.priority,
                 ifname_prefix=self.prefix,
                 proxy_ports=tuple(config.proxy_ports),
+                pool=str(self.pool),
                 log_drops=config.log_drops,
                 log_rate_per_minute=config.log_rate_per_minute,
                 claim=f"instance={instance} owner={self.owner}" if instance else "",
@@ -551,6 +558,7 @@ class CrewNetworks:
             old_table = check_claims(
                 self._nft, self.layout, self.naming, self.owner, old, old_links
             )
+            check_pool_claims(self._nft, self.layout, old)
             self.check_pool(old_links)
             changes: list[Change] = []
             if old is not None:

@@ -15,6 +15,11 @@ Layout (family inet, so one table sees IPv4 and IPv6)::
     chain prerouting     hook prerouting, priority -150
             iifname vmap @crew_ingress                           one hash lookup per packet
             iifname "apx*" counter name unmapped_drops drop      a crew interface with no chain
+            iifname "lo" ip daddr <pool> icmp type destination-unreachable
+                icmp code admin-prohibited ct state related accept      the refusal, going back
+            iifname "lo" ip daddr <pool> counter name foreign_to_pool
+                reject with icmpx admin-prohibited                     the host is not a crew
+            ip daddr <pool> counter name foreign_to_pool drop          nor is anything else
     chain forward        hook forward, priority -150
             iifname "apx*" counter name forward_from_crews drop
             oifname "apx*" counter name forward_to_crews drop
@@ -30,6 +35,30 @@ traffic to anywhere else (which would be forwarded), nothing depends on whether 
 IP forwarding on, every dropped packet is counted, and the host never answers with an ICMP
 error from its routing code. The forward chain is a second, independent layer: nothing is ever
 forwarded from or to an interface with the appliance's prefix, whatever the map holds.
+
+The pool belongs to the crews alone. A crew's gateway is an address of the host, and the proxy
+knows a crew by the gateway its connection arrives on; but the kernel accepts a packet for a
+local address on any interface (the weak host model, RFC 1122 3.3.4.2), so without more any
+process on the host (its packets to a local address come in on "lo") or any machine with a route
+to the pool could reach a gateway and be served as that crew. Every packet from a crew interface
+has had its verdict from the crew's chain or the catch-all by the time the last three rules see
+a packet, so whatever they see came in on some other interface: addressed to the pool, it is
+refused. From the host itself, rejected, so that a client there fails at once instead of waiting
+out its connect timeout: ICMP destination unreachable, code 13, communication administratively
+prohibited (RFC 1812 5.2.7.1), which says "filtered" where a TCP reset would say "nothing
+listens here", covers every protocol with one rule, and makes Linux abort a connect in SYN-SENT
+with EHOSTUNREACH (tcp_v4_err). That error comes back in on "lo" addressed to the pool (for a
+local destination the host picks that address as the source, unless the client bound another),
+so the rule before it lets exactly those through: ICMP errors of that code that conntrack
+relates to a connection it knows, which an unprivileged process cannot forge (no raw sockets)
+and which carry no byte to a listener. From anywhere else (the LAN, another appliance's crews),
+dropped like everything a crew may not send: nothing is sent back, neither to the LAN nor into
+another appliance's crew. Each table covers its own pool only, so an appliance never judges
+another's crews' traffic to their own gateways; `pool_claims` reads the pool back from the
+rules, so that an appliance whose pool overlaps another's refuses to start.
+
+Every other packet the host receives meets the map lookup and four comparisons (the input
+interface's name three times, the destination once) and leaves the table accepted.
 
 The per-packet cost is one hash lookup plus the crew's own three rules, and adding or removing a
 crew is a constant-size batch (its chain and one map element), so neither grows with the number
@@ -53,6 +82,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import ipaddress
 import json
 import shutil
 import subprocess
@@ -71,9 +101,14 @@ MAP = "crew_ingress"
 PREROUTING = "prerouting"
 FORWARD = "forward"
 CREW_CHAIN_PREFIX = "crew_"
-COUNTERS = ("unmapped_drops", "forward_from_crews", "forward_to_crews")
-# Bumped when the layout changes, so that reconciliation rebuilds tables of an older layout.
-LAYOUT_VERSION = 1
+COUNTERS = ("unmapped_drops", "forward_from_crews", "forward_to_crews", "foreign_to_pool")
+# The roles of the rules that refuse packets to the pool from elsewhere: from anywhere (its
+# comment names the pool, read by `pool_claims`), and from the host itself.
+FOREIGN_ROLE = "foreign"
+LOCAL_ROLE = "foreign-local"
+# Bumped when the layout changes, so that reconciliation rebuilds tables of an older layout
+# (2: the pool refused to everything but the crews' own interfaces).
+LAYOUT_VERSION = 2
 
 
 class NftBackend(Protocol):
@@ -197,6 +232,15 @@ def _match(left: Json, right: object) -> Json:
     return {"match": {"op": "==", "left": left, "right": right}}
 
 
+def _in(left: Json, right: object) -> Json:
+    """A flag match: `ct state related`, `ct state { new, established }`."""
+    return {"match": {"op": "in", "left": left, "right": right}}
+
+
+def _ct(key: str) -> Json:
+    return {"ct": {"key": key}}
+
+
 def _meta(key: str) -> Json:
     return {"meta": {"key": key}}
 
@@ -227,6 +271,9 @@ class Layout:
     priority: int
     ifname_prefix: str
     proxy_ports: tuple[int, ...]
+    # The crews' pool (an IPv4 network, "100.127.0.0/16"): refused to everything but the
+    # crews' own interfaces.
+    pool: str
     log_drops: bool = False
     log_rate_per_minute: int = 6
     # Written into the dispatch rule's comment ("instance=<id> owner=<token>"): whose table
@@ -241,6 +288,11 @@ class Layout:
 
     def base_rules(self) -> dict[str, tuple[RuleSpec, ...]]:
         wildcard = self.ifname_prefix + "*"  # nft(8): a trailing '*' matches by prefix
+        network = ipaddress.IPv4Network(self.pool)
+        to_pool = _match(
+            _payload("ip", "daddr"),
+            {"prefix": {"addr": str(network.network_address), "len": network.prefixlen}},
+        )
         return {
             PREROUTING: (
                 RuleSpec(
@@ -253,6 +305,40 @@ class Layout:
                 RuleSpec(
                     "unmapped",
                     (_match(_meta("iifname"), wildcard), {"counter": COUNTERS[0]}, {"drop": None}),
+                ),
+                # Whatever reaches the rules below did not come in on one of this table's
+                # crew interfaces (their packets have had their verdict): nothing else may
+                # reach the pool, its gateways above all (the proxy knows a crew by them).
+                # First, the refusal of the next rule on its way back to a client on the
+                # host: it comes in on "lo" addressed to the pool too (the module's docstring).
+                RuleSpec(
+                    "refusals",
+                    (
+                        _match(_meta("iifname"), "lo"),
+                        to_pool,
+                        _match(_payload("icmp", "type"), "destination-unreachable"),
+                        _match(_payload("icmp", "code"), "admin-prohibited"),
+                        _in(_ct("state"), "related"),
+                        {"accept": None},
+                    ),
+                ),
+                # From the host itself (in on "lo"): refused, so that the client fails at once.
+                RuleSpec(
+                    LOCAL_ROLE,
+                    (
+                        _match(_meta("iifname"), "lo"),
+                        to_pool,
+                        {"counter": COUNTERS[3]},
+                        {"reject": {"type": "icmpx", "expr": "admin-prohibited"}},
+                    ),
+                    str(network),
+                ),
+                # From anywhere else (the LAN, another appliance's crews): dropped, like
+                # everything a crew may not send.
+                RuleSpec(
+                    FOREIGN_ROLE,
+                    (to_pool, {"counter": COUNTERS[3]}, {"drop": None}),
+                    str(network),
                 ),
             ),
             FORWARD: (
@@ -304,13 +390,7 @@ class Layout:
                 _match(_payload("tcp", "dport"), ports),
                 # New connections and the rest of the connections they open; "invalid" and
                 # "related" (ICMP errors, helpers) are not needed by a TCP client of the proxy.
-                {
-                    "match": {
-                        "op": "in",
-                        "left": {"ct": {"key": "state"}},
-                        "right": ["new", "established"],
-                    }
-                },
+                _in(_ct("state"), ["new", "established"]),
                 {"counter": None},
                 {"accept": None},
             ),
@@ -403,7 +483,7 @@ class Layout:
     def remove_from(self, table: str, ifnames: Iterable[str]) -> list[Json]:
         """Remove crews' chains and map elements from another table of this appliance (one
         that other crews still use: the state of an appliance from before instance ids)."""
-        other = Layout(table, self.priority, self.ifname_prefix, self.proxy_ports)
+        other = Layout(table, self.priority, self.ifname_prefix, self.proxy_ports, self.pool)
         commands: list[Json] = []
         for ifname in ifnames:
             commands += other._remove_objects(ifname)
@@ -595,4 +675,19 @@ def interface_patterns(backend: NftBackend) -> dict[str, set[str]]:
             key = left.get("meta", {}).get("key") if isinstance(left, dict) else None
             if key in ("iifname", "oifname") and isinstance(right, str) and right.endswith("*"):
                 found.setdefault(str(body.get("table")), set()).add(right[:-1])
+    return found
+
+
+def pool_claims(backend: NftBackend) -> dict[str, set[str]]:
+    """Every inet table of the host -> the pools its rules refuse to all but their crews (the
+    label of the rule whose role is FOREIGN_ROLE): the pools that appliances claim. One listing
+    of the inet ruleset. A table of an older layout claims none."""
+    found: dict[str, set[str]] = {}
+    for item in backend.run([{"list": {"ruleset": {"family": FAMILY}}}]):
+        kind, body = next(iter(item.items()))
+        if kind != "rule" or body.get("family") != FAMILY:
+            continue
+        words = str(body.get("comment", "")).split()
+        if len(words) == 3 and words[0] == FOREIGN_ROLE and words[2].startswith("v="):
+            found.setdefault(str(body.get("table")), set()).add(words[1])
     return found

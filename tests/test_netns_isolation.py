@@ -93,7 +93,8 @@ def world(tmp_path: Path) -> Iterator[World]:
 
 
 def test_the_lab_would_let_traffic_through_without_the_rules(world: World) -> None:
-    """Control: from a namespace that is not a crew, the same targets answer."""
+    """Control: from a namespace that is not a crew, the same targets answer (but a crew's
+    gateway: the pool is the crews' alone, tests/test_netns_gateway.py)."""
     lab = world.lab
     results = run_probes(
         world.control,
@@ -101,7 +102,6 @@ def test_the_lab_would_let_traffic_through_without_the_rules(world: World) -> No
             Probe("tcp", INTERNET_HOST, 80),  # forwarded by the host
             Probe("udp", INTERNET_HOST, 53),
             Probe("tcp", CONTROL_GATEWAY, lab.other_port),  # a host address, another port
-            Probe("tcp", world.a.gateway, lab.port),  # a crew gateway from outside
         ],
     )
     assert set(results.values()) == {"connected", "reply"}, results
@@ -232,14 +232,25 @@ def test_raw_sockets_reach_nothing(world: World) -> None:
 
 
 def test_nothing_is_forwarded_to_a_crew(world: World) -> None:
-    """From outside (the control namespace, routed through the host), a crew is unreachable."""
-    net = world.net
+    """From outside (the control namespace, routed through the host), a crew is unreachable:
+    dropped in prerouting as traffic to the pool from elsewhere, and without that rule by the
+    forward chain, a second layer of its own."""
+    net, lab = world.net, world.lab
+    probe = Probe("tcp", world.a.address, 8080)
     before = dict((c.role, c.packets) for c in net.show().counters)
-    results = run_probes(world.control, [Probe("tcp", world.a.address, 8080)])
-    assert results == {Probe("tcp", world.a.address, 8080): "timeout"}
+    assert run_probes(world.control, [probe]) == {probe: "timeout"}
+    middle = dict((c.role, c.packets) for c in net.show().counters)
+    assert middle["foreign_to_pool"] > before["foreign_to_pool"]
+    assert middle["forward_to_crews"] == before["forward_to_crews"]
+    listing = sh("nft", "-a", "list", "chain", "inet", lab.table, "prerouting").stdout
+    for line in listing.splitlines():
+        if 'comment "foreign ' in line:
+            handle = line.rsplit("# handle ", 1)[1]
+            sh("nft", "delete", "rule", "inet", lab.table, "prerouting", "handle", handle)
+    assert run_probes(world.control, [probe]) == {probe: "timeout"}
     assert world.lab.listener.hits == []
     after = dict((c.role, c.packets) for c in net.show().counters)
-    assert after["forward_to_crews"] > before["forward_to_crews"]
+    assert after["forward_to_crews"] > middle["forward_to_crews"]
 
 
 def test_two_crews_are_isolated_and_teardown_of_one_leaves_the_other(world: World) -> None:
@@ -293,6 +304,7 @@ def test_show_reports_addresses_rules_and_counters_from_the_kernel(world: World)
         "unmapped_drops",
         "forward_from_crews",
         "forward_to_crews",
+        "foreign_to_pool",
     }
 
 

@@ -189,6 +189,7 @@ def layout(**overrides: object) -> Layout:
         "priority": -150,
         "ifname_prefix": "apx",
         "proxy_ports": (9119,),
+        "pool": "100.127.0.0/16",
     }
     values.update(overrides)
     return Layout(**values)  # type: ignore[arg-type]
@@ -216,6 +217,58 @@ def test_rule_comments_fingerprint_the_rule() -> None:
     assert one[0] != two[0] and one[1] == two[1]  # a port change is seen by reconciliation
     logged = [rule.role for rule in layout(log_drops=True).crew_rules(plan)]
     assert logged == ["allow", "log", "drop"]
+
+
+def test_the_pool_is_refused_to_everything_but_the_crews() -> None:
+    """After the crews' verdicts (dispatch, catch-all): the refusal let back in to a client on
+    the host, the host rejected, everything else dropped; all of it for this pool only."""
+    lay = layout()
+    rules = lay.base_rules()["prerouting"]
+    assert [rule.role for rule in rules] == [
+        "dispatch",
+        "unmapped",
+        "refusals",
+        "foreign-local",
+        "foreign",
+    ]
+    pool = {"prefix": {"addr": "100.127.0.0", "len": 16}}
+    for rule in rules[2:]:
+        assert {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "daddr"}},
+                          "right": pool}} in rule.expr  # fmt: skip
+    refusals, local, foreign = rules[2:]
+    assert refusals.expr[-1] == {"accept": None}
+    assert local.expr[0] == {"match": {"op": "==", "left": {"meta": {"key": "iifname"}},
+                                       "right": "lo"}}  # fmt: skip
+    assert local.expr[-2:] == (
+        {"counter": "foreign_to_pool"},
+        {"reject": {"type": "icmpx", "expr": "admin-prohibited"}},
+    )
+    assert foreign.expr[-2:] == ({"counter": "foreign_to_pool"}, {"drop": None})
+    assert foreign.comment.startswith("foreign 100.127.0.0/16 v=")
+    # Another pool is another rule (reconciliation sees a changed pool).
+    other = layout(pool="100.126.0.0/16").base_rules()["prerouting"]
+    assert other[4].comment != foreign.comment and other[:2] == rules[:2]
+
+
+def test_the_pools_that_tables_claim_are_read_back() -> None:
+    from netns.nft import pool_claims
+
+    tables = {"one": layout(table="one"), "two": layout(table="two", pool="100.90.3.0/24")}
+
+    class Listing:
+        def run(self, commands: list[dict[str, object]]) -> list[dict[str, object]]:
+            assert commands == [{"list": {"ruleset": {"family": "inet"}}}]
+            items: list[dict[str, object]] = [{"table": {"family": "inet", "name": "empty"}}]
+            for name, lay in tables.items():
+                for item in _listing(lay):
+                    kind, body = next(iter(item.items()))
+                    items.append({kind: {"family": "inet", "table": name, **body}})
+            # A hand-made rule that happens to match the pool claims nothing.
+            items.append({"rule": {"family": "inet", "table": "mine", "chain": "c",
+                                   "comment": "mine", "expr": []}})  # fmt: skip
+            return items
+
+    assert pool_claims(Listing()) == {"one": {"100.127.0.0/16"}, "two": {"100.90.3.0/24"}}
 
 
 def test_removal_is_idempotent_by_construction() -> None:

@@ -36,15 +36,20 @@ STORE_KEY = "8899aabbccddeeff00112233445566778899aabbccddeeff0011223344556677"
 STORED_VALUE = "sk-ant-api03-PRIVSEP-stored-0123456789abcdef"
 
 
-def as_worker_uid(*argv: str) -> subprocess.CompletedProcess[str]:
-    """Run argv on the host as UID/GID 1002: any other process of the workers' own UID."""
+def as_uid(uid: int, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run argv on the host as UID/GID `uid`, with no supplementary group."""
 
     def become() -> None:
         os.setgroups([])
-        os.setresgid(WORKER_UID, WORKER_UID, WORKER_UID)
-        os.setresuid(WORKER_UID, WORKER_UID, WORKER_UID)
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
 
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, preexec_fn=become)
+
+
+def as_worker_uid(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run argv on the host as UID/GID 1002: any other process of the workers' own UID."""
+    return as_uid(WORKER_UID, *argv)
 
 
 KEEPER_KNOCK = """
@@ -61,6 +66,47 @@ except ConnectionResetError:
 except BrokenPipeError:  # closed before the request was even written
     print("closed")
 """
+
+
+# One connection to the crew's gateway from a process on the host, as some user: the attack of
+# a local process acting as the crew (its key injected). How its connect ends.
+HOST_CLIENT = """
+import errno, socket, sys
+sock = socket.socket()
+sock.settimeout(10)
+try:
+    sock.connect((sys.argv[1], int(sys.argv[2])))
+    sock.sendall(b"GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    print("answered: " + sock.recv(100).decode(errors="replace").split("\\r\\n")[0])
+except OSError as exc:
+    print("error:" + errno.errorcode.get(exc.errno, str(exc.errno)))
+"""
+
+
+def crew_netns(app: Appliance, gateway: str) -> str:
+    """The crew's network namespace (its infra container's), from `net show`: the only place
+    on this host from which its gateway answers (netns/nft.py: the pool is the crews' alone)."""
+    code, report = app.ctl_json("net", "show")
+    assert code == 0, report
+    (path,) = [crew["netns"] for crew in report["crews"] if crew["gateway"] == gateway]
+    return str(path)
+
+
+def in_crew(netns: str, *argv: str) -> list[str]:
+    """argv run in the crew's network namespace (the host's files and users)."""
+    return ["nsenter", f"--net={netns}", *argv]
+
+
+def crew_socket(netns: str) -> socket.socket:
+    """A TCP socket of the crew's network namespace (a socket keeps the namespace it was made
+    in: any thread may connect it)."""
+    from netns.kernel import run_in_namespace
+
+    fd = os.open(netns, os.O_RDONLY)
+    try:
+        return run_in_namespace(fd, socket.socket)
+    finally:
+        os.close(fd)
 
 
 def status(app: Appliance, *, degraded: bool = False) -> dict:
@@ -162,6 +208,22 @@ def test_workers_are_unprivileged_and_out_of_a_crews_reach(
     assert answer.stdout.strip() in ("closed", "reset"), answer
     assert "keeper channel: refused peer" in app.log_text()
 
+    # A process on the host is not the crew: nobody (65534), the workers' UID, or root, dialling
+    # the crew's gateway and proxy port is refused by the appliance's table before the proxy
+    # sees a byte (it would have had the crew's key injected). The crew itself still is served.
+    provider.clear()
+    for uid in (65534, WORKER_UID, 0):
+        tried = as_uid(uid, SYSTEM_PYTHON, "-c", HOST_CLIENT, gateway, str(app.port))
+        assert tried.stdout.strip() == "error:EHOSTUNREACH", (uid, tried)
+    assert provider.received == []
+    done = app.ctl(
+        "run", crew, "--", "sh", "-c",
+        f"printf 'GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n"
+        f"\\r\\n' | nc -w 5 {gateway} {app.port}",
+    )  # fmt: skip
+    assert " 200 " in done.stdout, (done.stdout, done.stderr)
+    assert provider.last().all("x-api-key") == [STORED_VALUE]
+
 
 def test_workers_share_connections_and_survive_one_death(appliance: Appliance) -> None:
     app = appliance
@@ -172,12 +234,15 @@ def test_workers_share_connections_and_survive_one_death(appliance: Appliance) -
     gateway = created["crew"]["gateway"]
     pids = wait_workers(app, 2)
 
-    # Open connections to the crew's gateway from the host and see, with ss, which process
-    # accepted each: both workers take connections from the one listening socket.
+    # Open connections to the crew's gateway from its namespace and see, with ss, which
+    # process accepted each: both workers take connections from the one listening socket.
+    netns = crew_netns(app, gateway)
     held: list[socket.socket] = []
 
     def connect() -> socket.socket:
-        sock = socket.create_connection((gateway, app.port), timeout=10)
+        sock = crew_socket(netns)
+        sock.settimeout(10)
+        sock.connect((gateway, app.port))
         # One request each, so the connection is accepted (and answered) by a worker.
         sock.sendall(b"GET http://unlisted.test/ HTTP/1.1\r\nHost: unlisted.test\r\n\r\n")
         sock.recv(65536)
@@ -197,8 +262,8 @@ def test_workers_share_connections_and_survive_one_death(appliance: Appliance) -
     # unprivileged, with the crew (its listener and policy) restored.
     os.kill(pids[0], signal.SIGKILL)
     refused = subprocess.run(
-        ["curl", "-sS", "--noproxy", "", "--max-time", "10", "-x", f"http://{gateway}:{app.port}",
-         "http://unlisted.test/"],
+        in_crew(netns, "curl", "-sS", "--noproxy", "", "--max-time", "10", "-x",
+                f"http://{gateway}:{app.port}", "http://unlisted.test/"),
         capture_output=True, text=True, timeout=20,
     )  # fmt: skip
     assert "egress_denied" in refused.stdout, refused
@@ -209,8 +274,8 @@ def test_workers_share_connections_and_survive_one_death(appliance: Appliance) -
     os.kill(pids[1], signal.SIGSTOP)  # only the restarted worker can answer now
     try:
         refused = subprocess.run(
-            ["curl", "-sS", "--noproxy", "", "--max-time", "10", "-x",
-             f"http://{gateway}:{app.port}", "http://unlisted.test/"],
+            in_crew(netns, "curl", "-sS", "--noproxy", "", "--max-time", "10", "-x",
+                    f"http://{gateway}:{app.port}", "http://unlisted.test/"),
             capture_output=True, text=True, timeout=20,
         )  # fmt: skip
         assert "egress_denied" in refused.stdout and crew in refused.stdout, refused
@@ -248,8 +313,11 @@ def test_a_stopping_workers_last_events_reach_the_journal(appliance: Appliance) 
     assert code == 0, (created, app.log_text())
     gateway = created["crew"]["gateway"]
     hosts = [f"denied-{i}.test" for i in range(20)]
+    netns = crew_netns(app, gateway)
     for host in hosts:
-        with socket.create_connection((gateway, app.port), timeout=10) as sock:
+        with crew_socket(netns) as sock:
+            sock.settimeout(10)
+            sock.connect((gateway, app.port))
             sock.sendall(f"GET http://{host}/ HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
             assert b" 403 " in sock.recv(65536)
     app.stop()
