@@ -129,15 +129,14 @@ def world(tmp_path: Path) -> Iterator[World]:
     from netns import CrewNetworks
 
     with make_lab(tmp_path) as lab:
+        # A machine on the LAN with a route to the pool: its default route is the host
+        # (`wire`), which forwards for it.
         control = lab.wire("ctl", CONTROL_GATEWAY, CONTROL_HOST)
         crew_a, crew_b = lab.namespace("crewa"), lab.namespace("crewb")
         with CrewNetworks(lab.config(), lab.state_dir) as net:
             net.reconcile()
             a = net.attach("crew-a", ns_path(crew_a))
             b = net.attach("crew-b", ns_path(crew_b))
-            # A machine on the LAN with a route to the pool: the control namespace's traffic
-            # is forwarded by the host (`wire`), and here it is told where the pool is.
-            sh("ip", "-n", control, "route", "add", lab.pool, "via", CONTROL_GATEWAY)
             lab.listener.tcp(a.gateway, lab.port, label="proxy a")
             lab.listener.tcp(b.gateway, lab.port, label="proxy b")
             yield World(lab, net, a, b, crew_a, crew_b, control)
@@ -148,8 +147,7 @@ def test_a_host_process_is_not_the_crew(world: World) -> None:
     proxy port. Refused at once (ICMP administratively prohibited: EHOSTUNREACH), as is root
     (root on the host is not a crew either), from the gateway's own address, from another
     host address, and (not even sent) from the crew's own address forged with IP_FREEBIND. The
-    crew itself
-    connects through the same port and gets its answer."""
+    crew itself connects through the same port and gets its answer."""
     lab, a = world.lab, world.a
     before = counters(world.net)["foreign_to_pool"]
     attempts = {
