@@ -91,10 +91,10 @@ class H2Server(H2Endpoint):
     def initiate_upgrade(self, settings_header: bytes) -> None:
         """`Upgrade: h2c` (RFC 7540 3.2): stream 1 is the request that asked, half closed; the
         client's preface follows the 101. Raises Http2ConnectionError on a bad HTTP2-Settings
-        (base64url of a SETTINGS payload, RFC 7540 3.2.1; its trailing "=" may be omitted)."""
+        (base64url of a SETTINGS payload, RFC 7540 3.2.1)."""
         self.initiate()
         try:
-            payload = base64.urlsafe_b64decode(settings_header + b"=" * (-len(settings_header) % 4))
+            payload = base64.urlsafe_b64decode(settings_header)
             if len(payload) % 6:
                 raise ValueError("not a SETTINGS payload")
             for at in range(0, len(payload), 6):

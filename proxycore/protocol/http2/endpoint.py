@@ -481,7 +481,9 @@ class H2Endpoint:
         if len(payload) != 4:
             self._frame_size_error("RST_STREAM of a length other than 4")
         if stream_id not in self._streams:
-            return  # closed already (or never opened): nothing to end
+            if self._is_idle(stream_id):
+                self._protocol_error("RST_STREAM on an idle stream")  # RFC 9113 6.4
+            return  # closed already: nothing to end
         self._forget(stream_id, reset=True)
         self._on_peer_reset(stream_id, int.from_bytes(payload, "big"), events)
 
