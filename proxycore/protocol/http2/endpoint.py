@@ -258,7 +258,10 @@ class H2Endpoint:
                 if self.closed:
                     break  # a GOAWAY was received: nothing more is read
         finally:
-            del buffer[:pos]
+            if self.closed:
+                buffer.clear()
+            else:
+                del buffer[:pos]
 
     def _account(self, kind: int, flags: int, length: int, now: float) -> None:
         """Count the frame against the limits the protocol itself does not bound (limits.py)."""
