@@ -8,17 +8,18 @@ needs. Neither peer is trusted more than the other, so both count frames the sam
 
 Input: `_frames` splits the bytes into frames (the 9-octet header of RFC 9113 4.1); a frame over
 the SETTINGS_MAX_FRAME_SIZE we advertised ends the connection before its payload is read. Each
-frame is first counted (`_account`) against what the protocol itself does not bound
-(limits.py): one header block's bytes and CONTINUATION frames (the 2024 CONTINUATION flood),
-SETTINGS, PING and PRIORITY floods (CVE-2019-9515, CVE-2019-9512, CVE-2019-9513), frames with
-empty payloads (CVE-2019-9518), the control frames queued for a peer that does not read, and,
-where `_COUNT_RESETS`, the peer's resets (rapid reset, CVE-2023-44487). Over a limit the
-connection ends with GOAWAY ENHANCE_YOUR_CALM (RFC 9113 7: "the endpoint is ... generating
-excessive load") and `Http2ConnectionError` naming the rule. Then the frame is handled by its
-type, with the checks RFC 9113 6 asks of each (lengths, stream 0 or not, padding, flow-control
-windows, stream states of 5.1); a connection error queues GOAWAY and raises
-`Http2ConnectionError` (rule "h2_protocol_error", "h2_flow_control" or "h2_frame_size"), a
-stream error resets that stream alone (RST_STREAM, and a `StreamReset` event for the adapter).
+frame is first counted (`_account`) against what the protocol itself does not bound (limits.py):
+one header block's bytes and CONTINUATION frames (the 2024 CONTINUATION flood), SETTINGS, PING
+and PRIORITY floods (CVE-2019-9515, CVE-2019-9512, CVE-2019-9513), frames with empty payloads
+(CVE-2019-9518), the control frames queued for a peer that does not read (our answers to
+SETTINGS and PING, and the RST_STREAM frames that answer its frames), and, where
+`_COUNT_RESETS`, the peer's resets (rapid reset, CVE-2023-44487). Over a limit the connection
+ends with GOAWAY ENHANCE_YOUR_CALM (RFC 9113 7: "the endpoint is ... generating excessive load")
+and `Http2ConnectionError` naming the rule. Then the frame is handled by its type, with the
+checks RFC 9113 6 asks of each (lengths, stream 0 or not, padding, flow-control windows, stream
+states of 5.1); a connection error queues GOAWAY and raises `Http2ConnectionError` (rule
+"h2_protocol_error", "h2_flow_control" or "h2_frame_size"), a stream error resets that stream
+alone (RST_STREAM, and a `StreamReset` event for the adapter).
 
 Header blocks (HEADERS, CONTINUATION, RFC 9113 4.3) are decoded by hpack's Decoder, which
 enforces the decoded header list size (the HPACK bomb, CVE-2016-6581); every block is decoded,
@@ -29,11 +30,12 @@ Our heads go out through the stateless encoder (hpack_out.py), which never touch
 table.
 
 Each side says what differs in class attributes (which frames open a header block, whether
-resets are counted, who the peer is in a message) and hooks (`_on_headers`, `_on_peer_reset`,
-`_on_goaway`). Flow control: received bytes are acknowledged (`acknowledge`) only as the
-adapter consumes them, and WINDOW_UPDATE frames go out once half a window is consumed (or a
-closed window has some room again); what a stream that ends leaves unconsumed is credited back
-to the connection window (`_end`). Our sends stay within the peer's windows (`send_window`).
+resets are counted, whether the peer is the client, who the peer is in a message) and hooks
+(`_on_header_block`, `_on_peer_reset`, `_on_goaway_received`). Flow control: received bytes are
+acknowledged (`acknowledge`) only as the adapter consumes them, and WINDOW_UPDATE frames go out
+once half a window is consumed (or a closed window has some room again); what a stream that ends
+leaves unconsumed is credited back to the connection window (`_end`). Our sends stay within the
+peer's windows (`send_window`).
 """
 
 from __future__ import annotations
@@ -344,8 +346,8 @@ class H2Endpoint:
             self._fail("DATA beyond the stream window", *_FLOW_CONTROL)
         if stream.remote_closed:
             # RFC 9113 5.1 half-closed (remote): a stream error.
-            self._credit(flow, stream_id)
             self._stream_error(stream_id, ErrorCode.STREAM_CLOSED, "DATA after END_STREAM", events)
+            self._credit(flow, stream_id)
             return
         ended = bool(flags & END_STREAM)
         if stream.expected_length is not None:
@@ -354,13 +356,13 @@ class H2Endpoint:
                 ended and stream.received_length != stream.expected_length
             ):
                 # RFC 9113 8.1.1: malformed, a stream error.
-                self._credit(flow, stream_id)
                 self._stream_error(
                     stream_id,
                     ErrorCode.PROTOCOL_ERROR,
                     "body length differs from content-length",
                     events,
                 )
+                self._credit(flow, stream_id)
                 return
         if ended:
             self._remote_end(stream_id, stream)
@@ -394,12 +396,9 @@ class H2Endpoint:
             if int.from_bytes(block[:4], "big") & 0x7FFFFFFF == stream_id:
                 self._protocol_error("a stream depending on itself")  # RFC 9113 5.3.1
             block = block[5:]
-        self._block_start(stream_id, block, flags, events)
-
-    def _block_start(self, stream_id: int, block: bytes, flags: int, events: list[H2Event]) -> None:
         end_stream = bool(flags & END_STREAM)
         if flags & END_HEADERS:
-            self._headers_complete(stream_id, block, end_stream, events)
+            self._on_header_block(stream_id, self._decode(block), end_stream, events)
         else:
             self._block_stream = stream_id
             self._block_parts = [block]
@@ -414,13 +413,7 @@ class H2Endpoint:
         if flags & END_HEADERS:
             block = b"".join(self._block_parts)
             self._block_stream, self._block_parts = 0, []
-            self._headers_complete(stream_id, block, self._block_end_stream, events)
-
-    def _headers_complete(
-        self, stream_id: int, block: bytes, end_stream: bool, events: list[H2Event]
-    ) -> None:
-        fields = self._decode(block)
-        self._on_header_block(stream_id, fields, end_stream, events)
+            self._on_header_block(stream_id, self._decode(block), self._block_end_stream, events)
 
     def _decode(self, block: bytes) -> Fields:
         """The block's fields (RFC 7541). Fields decoded while the dynamic table was in its
