@@ -22,7 +22,7 @@ from hyperframe.frame import (
 
 from proxycore.errors import Http2ConnectionError
 from proxycore.protocol import http2
-from proxycore.protocol.http2 import ErrorCode, H2Client, H2Limits, H2Server
+from proxycore.protocol.http2 import ErrorCode, H2Client, H2Limits, H2Server, fields
 from proxycore.protocol.http2.hpack_out import StatelessEncoder
 from tests.h2_client import parse_frames
 
@@ -381,3 +381,31 @@ def test_client_goaway_refuses_the_streams_above_its_last() -> None:
     assert not client.closed and client.is_live(1)  # NO_ERROR: stream 1 may finish
     data = headers(1, hpack.Encoder().encode([(b":status", b"204")]))
     assert isinstance(client.receive_data(data, NOW)[0], http2.ResponseReceived)
+
+
+# -- the field checks -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "good"),
+    [
+        (b"content-type", b"text/plain", True),
+        (b"Content-Type", b"text/plain", False),
+        (b"x-a", b" padded", False),
+        (b"x-a", b"a\r\nb", False),
+        (b"x-a", b"", True),
+        (b"x a", b"1", False),
+    ],
+)
+def test_field_checks_answer_the_same_when_kept(name: bytes, value: bytes, good: bool) -> None:
+    fields._checked.clear()
+    assert [fields.well_formed(name, value) for _ in range(2)] == [good, good]
+    assert fields._checked == {(name, value): good}
+
+
+def test_field_checks_keep_no_secret_and_no_long_value() -> None:
+    fields._checked.clear()
+    assert fields.well_formed(b"authorization", b"Bearer sk-ant-secret")
+    assert fields.well_formed(b"cookie", b"session=secret")
+    assert fields.well_formed(b"x-long", b"v" * 129)
+    assert not fields._checked

@@ -43,7 +43,7 @@ from proxycore.protocol.http2.events import (
     StreamReset,
     TrailersReceived,
 )
-from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, FIELD_NAME, FIELD_VALUE
+from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, well_formed
 from proxycore.protocol.http2.frames import HEADERS, PUSH_PROMISE, ErrorCode, Setting
 from proxycore.protocol.http2.limits import MAX_STREAM_ID, H2Limits
 
@@ -325,7 +325,7 @@ def _check_fields(fields: list[tuple[bytes, bytes]], *, pseudo: frozenset[bytes]
                 raise RequestUnsendable(f"empty {name.decode()}")
             continue
         regular = True
-        if not FIELD_NAME.fullmatch(name) or not FIELD_VALUE.fullmatch(value):
+        if not well_formed(name, value):
             raise RequestUnsendable("a field HTTP/2 cannot carry")
         if name in CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
             raise RequestUnsendable("a connection-specific field (RFC 9113 8.2.2)")

@@ -26,7 +26,7 @@ from http import HTTPStatus
 
 from proxycore.protocol import http1
 from proxycore.protocol.http2.events import ResponseReceived
-from proxycore.protocol.http2.fields import FIELD_NAME, FIELD_VALUE
+from proxycore.protocol.http2.fields import well_formed
 
 __all__ = ["request_fields", "response_head"]
 
@@ -58,7 +58,7 @@ def response_head(event: ResponseReceived, method: bytes) -> tuple[bytes, bool] 
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
     length: bytes | None = None
     for name, value in event.headers:
-        if not FIELD_NAME.fullmatch(name) or not FIELD_VALUE.fullmatch(value):
+        if not well_formed(name, value):
             return None
         if name == b"content-length":
             if length is not None and value != length:
