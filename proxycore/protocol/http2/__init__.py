@@ -1,10 +1,9 @@
-"""HTTP/2 on the agent side, sans-IO: the h2 package's state machine wrapped once.
+"""HTTP/2, sans-IO: our own protocol core, for the agent side and the upstream side.
 
-`connection.H2Server` (the agent side) and `client.H2Client` (the upstream side) are the only
-code that touches h2, with what they share in `endpoint.H2Endpoint`; they report our own events
-(`events`) and enforce the connection's limits (`limits.H2Limits`, docs/proxy.md "HTTP/2").
-`messages` turns a stream's request into the HTTP/1.1 head the exchange reads, and a response
-head back.
+`connection.H2Server` (the agent side) and `client.H2Client` (the upstream side) share the core
+in `endpoint.H2Endpoint` (frames: `frames`); they report our own events (`events`) and enforce
+the connection's limits (`limits.H2Limits`, docs/proxy.md "HTTP/2"). `messages` turns a stream's
+request into the HTTP/1.1 head the exchange reads, and a response head back.
 """
 
 from __future__ import annotations

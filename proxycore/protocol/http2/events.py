@@ -1,8 +1,9 @@
-"""What an HTTP/2 connection reports to its adapter: our own event types, never h2's.
+"""What an HTTP/2 connection reports to its adapter: our own event types.
 
-`proxycore.protocol.http2.connection.H2Server.receive_data` turns the h2 package's events into
-these (past tense: what the client did); the adapter (proxycore/io/http2.py) never sees an h2
-type. Header names are lowercase bytes, values bytes, pseudo-header fields taken out.
+`proxycore.protocol.http2.connection.H2Server.receive_data` reports these (past tense: what the
+client did) to the adapter (proxycore/io/http2.py); `client.H2Client` reports them to
+proxycore/io/upstream_h2.py. Header names are lowercase bytes, values bytes, pseudo-header
+fields taken out.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from proxycore.protocol.credentials import CREDENTIAL_HEADERS
+
 __all__ = ["CONNECTION_SPECIFIC", "FIELD_NAME", "FIELD_VALUE", "well_formed"]
 
 # Field names: tokens in lowercase (RFC 9113 8.2.1).
@@ -22,6 +24,24 @@ CONNECTION_SPECIFIC = frozenset(
 )
 
 
+# The answers of `well_formed` for the fields that come again and again (content-type, server,
+# user-agent...): one bounded dict for the process, emptied when full. Long values are checked
+# each time, and the fields that carry secrets are never kept (as in hpack_out.py).
+_CHECKED_LIMIT = 1024
+_CHECKED_VALUE_BYTES = 128
+_NEVER_KEPT = CREDENTIAL_HEADERS | {b"cookie", b"set-cookie"}
+_checked: dict[tuple[bytes, bytes], bool] = {}
+
+
 def well_formed(name: bytes, value: bytes) -> bool:
     """A field an HTTP/2 message may carry by the grammar (RFC 9113 8.2.1)."""
-    return FIELD_NAME.fullmatch(name) is not None and FIELD_VALUE.fullmatch(value) is not None
+    key = (name, value)
+    known = _checked.get(key)
+    if known is not None:
+        return known
+    good = FIELD_NAME.fullmatch(name) is not None and FIELD_VALUE.fullmatch(value) is not None
+    if len(value) <= _CHECKED_VALUE_BYTES and name not in _NEVER_KEPT:
+        if len(_checked) >= _CHECKED_LIMIT:
+            _checked.clear()
+        _checked[key] = good
+    return good

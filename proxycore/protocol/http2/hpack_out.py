@@ -3,8 +3,8 @@ dynamic table), each field cached.
 
 Theory of operation
 -------------------
-h2 encodes a head by calling `encoder.encode(fields)` on its connection's encoder
-(`H2Connection.encoder`); `H2Server` and `H2Client` put a `StatelessEncoder` there. It writes
+`H2Server` and `H2Client` encode every head they send with a `StatelessEncoder`
+(`endpoint.H2Endpoint._send_head`). It writes
 every field as an index into HPACK's static table when the whole field is in it (RFC 7541 6.1),
 else as a literal that is never added to the peer's dynamic table (6.2.2 "without indexing",
 or 6.2.3 "never indexed" for the fields that carry secrets), the name as a static index when the
@@ -14,9 +14,9 @@ state, so:
 - encoding a field is a pure function of the field, and its bytes are cached (one bounded dict
   for the process: the same bytes for every connection, so nothing is held per connection;
   fields that carry secrets are never cached);
-  h2's own encoder (hpack.Encoder) searched its tables and re-encoded every field of every
-  response: the largest single cost of a small response (bench/bench_h2.py, docs/benchmarks.md);
-- a head that h2 refuses after encoding cannot leave the peer's decoder out of step;
+  hpack's own encoder searched its tables and re-encoded every field of every response: the
+  largest single cost of a small response (bench/bench_h2.py, docs/benchmarks.md);
+- a head refused after encoding cannot leave the peer's decoder out of step;
 - no field can serve as a compression oracle on another (the dynamic table is shared by
   every stream of the connection: CRIME-like probing, RFC 7541 7.1).
 
@@ -24,7 +24,7 @@ The price is bytes on the wire: a repeated field costs its literal each time ins
 octet. A peer's SETTINGS_HEADER_TABLE_SIZE is accepted and needs no answer: an encoder that
 never inserts never has to signal a table size update (RFC 7541 4.2, 6.3).
 
-Incoming heads keep hpack's Decoder (h2's), which enforces the header list size.
+Incoming heads keep hpack's Decoder, which enforces the header list size.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def encode_field(name: bytes, value: bytes) -> bytes:
 
 
 class StatelessEncoder:
-    """What h2 needs of an encoder (`encode`, a settable `header_table_size`)."""
+    """An HPACK encoder's interface (`encode`, a settable `header_table_size`)."""
 
     __slots__ = ("header_table_size",)
 
@@ -95,7 +95,7 @@ class StatelessEncoder:
         cache = _cache
         out = []
         for field in headers:
-            # h2 hands over tuples (HeaderTuple subclasses among them): the key is the pair.
+            # Any pair (tuple subclasses among them): the key is the pair itself.
             name, value = field[0], field[1]
             key = (name, value)
             encoded = cache.get(key)

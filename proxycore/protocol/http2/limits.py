@@ -1,9 +1,9 @@
 """The limits of one HTTP/2 connection, and the token buckets that enforce the rate limits.
 
 Every limit here is counted per connection (docs/proxy.md "HTTP/2" lists the defaults next to
-Envoy's edge values). The h2 package enforces some of them itself once configured (concurrent
-streams, frame size, HPACK's decoded header list size, flow-control windows); the rest are
-counted by `proxycore.protocol.http2.endpoint` frame by frame, before h2 sees the frame.
+Envoy's edge values). `proxycore.protocol.http2.endpoint` enforces them: the protocol's own
+(concurrent streams, frame size, HPACK's decoded header list size, flow-control windows) as it
+handles each frame, the rest counted frame by frame before the frame is handled.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ MAX_STREAM_ID = 2**31 - 1
 
 
 class H2Limits(msgspec.Struct, frozen=True, kw_only=True):
-    # RFC 9113 6.5.2 SETTINGS_MAX_CONCURRENT_STREAMS; Envoy edge: 100. h2 refuses a stream over
-    # it with a connection error (PROTOCOL_ERROR), as RFC 9113 5.1.2 allows.
+    # RFC 9113 6.5.2 SETTINGS_MAX_CONCURRENT_STREAMS; Envoy edge: 100. A stream over it is
+    # refused with a connection error (PROTOCOL_ERROR), as RFC 9113 5.1.2 allows.
     max_concurrent_streams: int = 100
     # SETTINGS_INITIAL_WINDOW_SIZE; Envoy edge initial_stream_window_size: 65536 (64 KiB). What
     # the proxy holds of one stream's request body never exceeds it.
@@ -35,10 +35,9 @@ class H2Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_header_list_size: int = 32768
     # SETTINGS_HEADER_TABLE_SIZE: HPACK's dynamic table (the RFC default).
     header_table_size: int = 4096
-    # One header block (HEADERS plus its CONTINUATION frames), counted before h2 buffers it:
+    # One header block (HEADERS plus its CONTINUATION frames), counted before it is buffered:
     # the CONTINUATION flood of 2024 (CVE-2024-27316 and siblings) sends endless CONTINUATION
-    # frames that are buffered before any decoding. h2 stops at 64 frames of up to
-    # max_frame_size each (1 MiB); we stop at these.
+    # frames that are buffered before any decoding; we stop at these.
     max_header_block_bytes: int = 65536
     max_continuation_frames: int = 16
     # Rapid reset (CVE-2023-44487): streams the client resets, as a token bucket (burst, refill

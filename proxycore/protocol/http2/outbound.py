@@ -13,11 +13,11 @@ connection; connection-specific fields are dropped (RFC 9113 8.2.2) and `te: tra
 (the proxy reads trailers and relays them where the agent can take them).
 
 `response_head`: an upstream's final response head as an HTTP/1.1 head with its framing: the
-upstream's Content-Length when it sent one, none when the head ended the stream (or the
-response has no body by its status or the request's method), else chunked, so that trailers
-can follow as a chunked trailer section. A field HTTP/1.1 could not carry (h2 checks most of
-this; the rest is checked here) makes the response malformed (`None`): the stream is reset and
-the exchange answers 502.
+upstream's Content-Length when it sent one, none when the head ended the stream (or the response
+has no body by its status or the request's method), else chunked, so that trailers can follow as
+a chunked trailer section. A field HTTP/1.1 could not carry (client.py checks the pseudo-headers
+and connection-specific fields; the grammar is checked here) makes the response malformed
+(`None`): the stream is reset and the exchange answers 502.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from http import HTTPStatus
 
 from proxycore.protocol import http1
 from proxycore.protocol.http2.events import ResponseReceived
-from proxycore.protocol.http2.fields import FIELD_NAME, FIELD_VALUE
+from proxycore.protocol.http2.fields import well_formed
 
 __all__ = ["request_fields", "response_head"]
 
@@ -58,7 +58,7 @@ def response_head(event: ResponseReceived, method: bytes) -> tuple[bytes, bool] 
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
     length: bytes | None = None
     for name, value in event.headers:
-        if not FIELD_NAME.fullmatch(name) or not FIELD_VALUE.fullmatch(value):
+        if not well_formed(name, value):
             return None
         if name == b"content-length":
             if length is not None and value != length:
