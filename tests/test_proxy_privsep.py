@@ -140,6 +140,18 @@ UNPRIVILEGED = {
 }
 
 
+def assert_crew_served(app: Appliance, crew: str, gateway: str, provider: FakeServer) -> None:
+    """The crew, from its own namespace, is answered 200 through the proxy with the stored key
+    injected."""
+    done = app.ctl(
+        "run", crew, "--", "sh", "-c",
+        f"printf 'GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n"
+        f"\\r\\n' | nc -w 5 {gateway} {app.port}",
+    )  # fmt: skip
+    assert " 200 " in done.stdout, (done.stdout, done.stderr)
+    assert provider.last().all("x-api-key") == [STORED_VALUE]
+
+
 def test_workers_are_unprivileged_and_out_of_a_crews_reach(
     appliance: Appliance, provider: FakeServer
 ) -> None:
@@ -164,13 +176,7 @@ def test_workers_are_unprivileged_and_out_of_a_crews_reach(
     assert app.ctl("cred", "grant", "claude", crew).returncode == 0
     # The worker does inject it (so it is in a worker's memory)...
     provider.clear()
-    done = app.ctl(
-        "run", crew, "--", "sh", "-c",
-        f"printf 'GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n"
-        f"\\r\\n' | nc -w 5 {gateway} {app.port}",
-    )  # fmt: skip
-    assert " 200 " in done.stdout, (done.stdout, done.stderr)
-    assert provider.last().all("x-api-key") == [STORED_VALUE]
+    assert_crew_served(app, crew, gateway, provider)
 
     # ...and from inside the crew neither a worker nor the store can be reached: the crew's PID
     # namespace has no worker in it, its mount namespace has no state directory, no keeper
@@ -216,13 +222,7 @@ def test_workers_are_unprivileged_and_out_of_a_crews_reach(
         tried = as_uid(uid, SYSTEM_PYTHON, "-c", HOST_CLIENT, gateway, str(app.port))
         assert tried.stdout.strip() == "error:EHOSTUNREACH", (uid, tried)
     assert provider.received == []
-    done = app.ctl(
-        "run", crew, "--", "sh", "-c",
-        f"printf 'GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n"
-        f"\\r\\n' | nc -w 5 {gateway} {app.port}",
-    )  # fmt: skip
-    assert " 200 " in done.stdout, (done.stdout, done.stderr)
-    assert provider.last().all("x-api-key") == [STORED_VALUE]
+    assert_crew_served(app, crew, gateway, provider)
 
 
 def test_workers_share_connections_and_survive_one_death(appliance: Appliance) -> None:

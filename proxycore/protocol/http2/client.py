@@ -41,7 +41,6 @@ from proxycore.protocol.http2.events import (
     ResponseReceived,
     StreamEnded,
     StreamReset,
-    TrailersReceived,
 )
 from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, well_formed
 from proxycore.protocol.http2.frames import HEADERS, PUSH_PROMISE, ErrorCode, Setting
@@ -181,20 +180,7 @@ class H2Client(H2Endpoint):
             self._protocol_error("trailers without END_STREAM")
         for name, value in fields:
             self._check_regular(name, value)
-        stream = self._streams[stream_id]
-        expected = stream.expected_length
-        if expected is not None and stream.received_length != expected:
-            self._stream_error(
-                stream_id,
-                ErrorCode.PROTOCOL_ERROR,
-                "body length differs from content-length",
-                events,
-            )
-            return
-        self._remote_end(stream_id, stream)
-        if stream_id in self._live:
-            events.append(TrailersReceived(stream_id, fields))
-            events.append(StreamEnded(stream_id))
+        self._end_with_trailers(stream_id, self._streams[stream_id], fields, events)
 
     def _response_fields(self, fields: Fields) -> tuple[int, Fields]:
         """:status and the regular fields of a response head (RFC 9113 8.3.2): :status once,

@@ -41,7 +41,6 @@ from proxycore.protocol.http2.events import (
     RequestReceived,
     StreamEnded,
     StreamReset,
-    TrailersReceived,
 )
 from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, well_formed
 from proxycore.protocol.http2.frames import ErrorCode, Setting, data_frame, goaway_frame
@@ -194,20 +193,8 @@ class H2Server(H2Endpoint):
                 stream_id, ErrorCode.PROTOCOL_ERROR, "trailers without END_STREAM", events
             )
             return
-        expected = stream.expected_length
-        if expected is not None and stream.received_length != expected:
-            self._stream_error(
-                stream_id,
-                ErrorCode.PROTOCOL_ERROR,
-                "body length differs from content-length",
-                events,
-            )
-            return
-        self._remote_end(stream_id, stream)
-        if stream_id in self._live:
-            trailers = tuple((n, v) for n, v in fields if n[:1] != b":")
-            events.append(TrailersReceived(stream_id, trailers))
-            events.append(StreamEnded(stream_id))
+        trailers = tuple((n, v) for n, v in fields if n[:1] != b":")
+        self._end_with_trailers(stream_id, stream, trailers, events)
 
     def _on_peer_reset(self, stream_id: int, code: int, events: list[H2Event]) -> None:
         if self._end(stream_id):

@@ -53,6 +53,7 @@ from proxycore.protocol.http2.events import (
     SettingsReceived,
     StreamEnded,
     StreamReset,
+    TrailersReceived,
     WindowOpened,
 )
 from proxycore.protocol.http2.frames import (
@@ -667,6 +668,25 @@ class H2Endpoint:
         stream = Stream(self._peer_initial_window, self.limits.initial_stream_window)
         self._streams[stream_id] = stream
         return stream
+
+    def _end_with_trailers(
+        self, stream_id: int, stream: Stream, trailers: Fields, events: list[H2Event]
+    ) -> None:
+        """A trailer section that ends the stream (RFC 9113 8.1), on either side: the body must
+        have been as long as its content-length said (8.1.1, else a stream error)."""
+        expected = stream.expected_length
+        if expected is not None and stream.received_length != expected:
+            self._stream_error(
+                stream_id,
+                ErrorCode.PROTOCOL_ERROR,
+                "body length differs from content-length",
+                events,
+            )
+            return
+        self._remote_end(stream_id, stream)
+        if stream_id in self._live:
+            events.append(TrailersReceived(stream_id, trailers))
+            events.append(StreamEnded(stream_id))
 
     def _remote_end(self, stream_id: int, stream: Stream) -> None:
         stream.remote_closed = True
