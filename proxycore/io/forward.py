@@ -110,7 +110,8 @@ async def relay_response(
         return await _relay_stream(conn, plan, head, decided, upstream, response)
     buffer = upstream.buffer
     if decided.mode is BodyMode.NONE:
-        out = decided.head()
+        scrubbed = b""
+        sent_length = None
     else:
         budget.used += length
         try:
@@ -121,13 +122,17 @@ async def relay_response(
         body = bytes(buffer[:length])
         del buffer[:length]
         scrubbed = conn.runtime.scrubbers.current.scrub(body) if body else body
-        progress.bytes_down = len(scrubbed)
+        progress.bytes_down = sent_length = len(scrubbed)
         if body:
             progress.redactions = redactions(body, scrubbed)
-        out = decided.head(len(scrubbed))
-        out += scrubbed
     conn.response_started = True
-    await conn.stream.send_all(out)
+    if conn.pipe is None:
+        out = decided.head(sent_length)
+        out += scrubbed
+        await conn.stream.send_all(out)
+    else:
+        # An HTTP/2 stream takes the status and fields as they are (no HTTP/1.1 in between).
+        await conn.pipe.send_response(decided, sent_length, scrubbed)
     # The exchange is complete: back to the crew's pool if it can carry another, else closed.
     conn.upstream = None
     if not (decided.reusable and not buffer and conn.runtime.dialer.checkin(upstream)):

@@ -22,6 +22,7 @@ from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import PlainStream
 from proxycore.protocol import http1
 from proxycore.protocol.http2 import ErrorCode, response_fields
+from proxycore.protocol.http2.messages import decided_fields
 from proxycore.protocol.trailers import relayable, section
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from proxycore.io.connection import ClientConnection
     from proxycore.io.http2 import H2Session
     from proxycore.protocol.http2.endpoint import H2Endpoint
+    from proxycore.protocol.responses import ResponsePlan
 
 __all__ = ["StreamPipe", "take_piece"]
 
@@ -69,6 +71,7 @@ class StreamPipe(PlainStream):
         "_closing",
         "_done",
         "_eof",
+        "_head",
         "_method",
         "_out",
         "_readable",
@@ -85,6 +88,7 @@ class StreamPipe(PlainStream):
         self._session = session
         self.stream_id = stream_id
         self._method = method
+        self._head: bytes | None = None
         self._body: collections.deque[tuple[bytes, int]] = collections.deque()
         self._chunked = False
         self._eof = False
@@ -101,9 +105,17 @@ class StreamPipe(PlainStream):
     # -- the request side (fed by the session, read by the exchange) --------------------------
 
     def feed_head(self, head: bytes, *, chunked: bool) -> None:
+        """The request head, held for the exchange to take whole (`take_head`); what the
+        stream reads is its body."""
         self._chunked = chunked
-        self._body.append((head, 0))
-        self._wake_reader()
+        self._head = head
+
+    def take_head(self) -> bytes | None:
+        """The request head as HTTP/1.1 (once; None after), for the exchange's parser."""
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        head, self._head = self._head, None
+        return head
 
     def feed_body(self, data: bytes, flow_length: int, *, ended: bool) -> None:
         if self._chunked:
@@ -229,6 +241,32 @@ class StreamPipe(PlainStream):
             await self._data(piece, end=self._reader.done)
         else:
             await self._session.flush()  # a head whose body has not begun
+
+    async def send_response(
+        self, decided: ResponsePlan, content_length: int | None, body: bytes
+    ) -> None:
+        """A response the exchange decided, whole (no body, or its scrubbed body of
+        `content_length` bytes): sent as HEADERS and DATA without being written as HTTP/1.1
+        and read back, the same frames `send_all` would make of `decided.head()` and `body`."""
+        if self._reader is not None or self._out:
+            # Something was written as bytes before (never, after an interim 100 is whole):
+            # the rest goes the same way.
+            out = decided.head(content_length)
+            out += body
+            await self.send_all(out)
+            return
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        if self._done:
+            return
+        fields = decided_fields(decided.start, content_length, closes=not decided.keep_client)
+        if not body:
+            # No body: END_STREAM on the head (a HEAD, 204 or 304 answer, or an empty one).
+            await self._headers(decided.status, fields, end=True)
+            return
+        # Queued, and written with the DATA (one write for a small answer).
+        await self._headers(decided.status, fields, end=False, flush=False)
+        await self._data(body, end=True)
 
     async def _headers(
         self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool, flush: bool = True

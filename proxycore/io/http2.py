@@ -401,6 +401,7 @@ class H2Session:
                 self.runtime.sink.emit(request.errored(pipe.broken, 0))
                 return
             conn = type(self.conn)(self.runtime, pipe, self.crew)
+            conn.pipe = pipe
             pipe.exchange = conn
             await conn.run()
         finally:
