@@ -284,11 +284,11 @@ class StreamPipe(PlainStream):
 
     async def _trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
         session = self._session
-        async with session.lock:
-            if not session.server.send_trailers(self.stream_id, fields):
-                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
-            await session.send_locked()
+        if not session.server.send_trailers(self.stream_id, fields):
+            raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
+        # The response is whole: written with its siblings' in the writer's round.
         self._done = True
+        await session.batched()
 
     async def _data(self, piece: bytes, *, end: bool) -> None:
         session, server = self._session, self._session.server

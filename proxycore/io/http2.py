@@ -345,11 +345,10 @@ class H2Session:
             pipe, write_head = StreamPipe(self, event.stream_id, event.method), request_head
         self.pipes[event.stream_id] = pipe
         crew.connections += 1
-        request = Request(crew.name, crew.mode, method=method)
         refusal = None
         if crew.connections > runtime.limits.max_connections_per_crew:
             # Each stream is one of the crew's requests in flight, as a connection is.
-            refusal = request.refused(
+            refusal = Request(crew.name, crew.mode, method=method).refused(
                 503,
                 "overloaded",
                 f"crew {crew.name} has {crew.connections - 1} connections and streams open; "
@@ -361,6 +360,7 @@ class H2Session:
             try:
                 head = write_head(event, crew.gateway)
             except MessageRefused as exc:
+                request = Request(crew.name, crew.mode, method=method)
                 refusal = request.refused(exc.status, exc.error, exc.message, close=False)
             else:
                 pipe.feed_head(head, chunked=b"\r\ntransfer-encoding: chunked\r\n" in head)

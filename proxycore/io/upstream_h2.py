@@ -44,6 +44,7 @@ from typing import cast
 import trio
 
 from proxycore.errors import Http2ConnectionError
+from proxycore.io.fastio import PlainStream
 from proxycore.io.progress import RECV_SIZE
 from proxycore.io.upstream import PoolKey, UpstreamConnection
 from proxycore.io.upstream_h2_stream import H2Stream
@@ -176,10 +177,15 @@ class H2Upstream:
         self.link = link
         self.key = link.key
         self.client = H2Client(pool.limits)
+        # The preface queued first: a stream may open its head before this connection's tasks
+        # have run, and the writer sends both in order.
+        self.client.initiate()
         self.streams: dict[int, H2Stream] = {}
         self.opening: set[H2Stream] = set()  # streams whose head is not sent yet
         self.lock = trio.Lock()
         self.dirty = trio.Event()
+        # A cleartext connection's socket, written directly while the kernel takes it all.
+        self.sock = link.stream.sock if isinstance(link.stream, PlainStream) else None
         self.scope = trio.CancelScope()
         self.broken: str | None = None
         self.retiring = False
@@ -213,7 +219,6 @@ class H2Upstream:
             with self.scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop)
-                    self.client.initiate()
                     self.kick()
                     why = await self._read_loop()
                     nursery.cancel_scope.cancel()
@@ -270,9 +275,24 @@ class H2Upstream:
     def kick(self) -> None:
         self.dirty.set()
 
+    def batched(self) -> None:
+        """A stream queued frames that may wait for the writer's next round (a request head
+        whose answer the stream now awaits): wake the writer, which sends what the streams
+        queued in the same round with one write."""
+        self.dirty.set()
+
     async def flush(self) -> None:
-        async with self.lock:
+        """Write what h2 queued. The lock is taken without a checkpoint when free (trio's
+        `async with lock` yields while holding it, making every other stream wait a round)."""
+        lock = self.lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             await self.send_locked()
+        finally:
+            lock.release()
 
     async def send_locked(self) -> None:
         """Write what h2 queued (the caller holds the lock); an upstream that reads nothing
@@ -282,6 +302,19 @@ class H2Upstream:
         data = self.client.data_to_send()
         if not data:
             return
+        sock = self.sock
+        if sock is not None:
+            # The common case first: the kernel takes it all now (no scope, no wait).
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self.shut(f"upstream connection broken: {exc}")
+                raise trio.BrokenResourceError(self.broken) from None
+            if sent == len(data):
+                return
+            data = data[sent:]
         # Shielded: a frame cut in the middle would break every stream of the connection.
         with trio.CancelScope(shield=True):
             with trio.move_on_after(self.pool.write_timeout) as scope:
