@@ -2,12 +2,15 @@
 
 Theory of operation: proxycore/io/http2.py (the session that owns the connection). A
 `StreamPipe` is what the stream's `ClientConnection` reads and writes where it would use a
-socket: its input is the stream's request written as an HTTP/1.1 head
-(proxycore/protocol/http2/messages.py) and body, each piece acknowledged to the client's flow
-control as the exchange takes it; its output is the HTTP/1.1 response the exchange writes, read
-back with the strict parser into HEADERS, DATA and trailers within the client's windows (at
-most `stall_timeout` waiting for one). The frames that end a response are only queued and the
-session's writer woken (`H2Session.batched`). `proxycore/io/websocket_h2.py` extends it for
+socket. Its input: the stream's request written as an HTTP/1.1 head
+(proxycore/protocol/http2/messages.py), handed to the exchange whole (`take_head`: the
+exchange reads it with the same parser as a socket's), then the body, each piece acknowledged
+to the client's flow control as the exchange takes it. Its output: a whole response the
+exchange decided comes as status and fields (`send_response`, no HTTP/1.1 in between); any
+other (streamed bodies, refusals, local answers) is the HTTP/1.1 the exchange writes, read
+back with the strict parser. Both become HEADERS, DATA and trailers within the client's windows
+(at most `stall_timeout` waiting for one). The frames that end a response are only queued and
+the session's writer woken (`H2Session.batched`). `proxycore/io/websocket_h2.py` extends it for
 RFC 8441 WebSocket streams.
 """
 

@@ -15,9 +15,11 @@ the stream writes them itself and so waits for the client (backpressure, as befo
 
 Each stream is served by its own `ClientConnection` (the same class as an HTTP/1.1 connection)
 over a `StreamPipe` (proxycore/io/h2_stream.py): its input is the stream's request written as an
-HTTP/1.1 head (proxycore/protocol/http2/messages.py) and body, its output the HTTP/1.1 response
-the exchange writes, which the pipe reads back (the strict parser again) into HEADERS and DATA
-frames. So every stream goes through `plan_request` and the forward path unchanged: policy, SSRF
+HTTP/1.1 head (proxycore/protocol/http2/messages.py), which the exchange takes whole and reads
+with the strict parser as it reads a socket's, and the body; its output is a whole response as
+the exchange decided it (status and scrubbed fields), or the HTTP/1.1 the exchange writes, which
+the pipe reads back (the strict parser again), as HEADERS and DATA frames. So every stream goes
+through `plan_request` and the forward path unchanged: policy, SSRF
 checks, credential injection, header scrubbing, the response scrubber, refusals, fairness,
 deadlines, fault containment, and exactly one terminal event with byte counts (an HTTP/2
 upstream, too, is reached through the forward path: proxycore/io/upstream_h2.py).

@@ -6,14 +6,18 @@ The dialer (proxycore/io/upstream.py) offers ALPN ["h2", "http/1.1"] on TLS; whe
 picks h2 (or a cleartext upstream is reached with prior knowledge, h2c: docs/proxy.md says
 when), `H2Pool.adopt` takes the connection over: an `H2Upstream` owns its socket, one task
 reads it and feeds the sans-IO `H2Client` (proxycore/protocol/http2/client.py), another writes
-what h2 queued; every write goes through one lock.
+what h2 queued; every write goes through one lock. A request head is only queued and the writer
+woken: the heads the streams open in one scheduling round go out with one write; a body's DATA
+is written by its stream (backpressure: it waits for the upstream).
 
 Each request is one `H2Stream` (proxycore/io/upstream_h2_stream.py): the byte stream the
 forward path (proxycore/io/forward.py) uses where it uses a socket. It writes the HTTP/1.1
 request the exchange built, which the stream reads back with the strict parser and sends as
-HEADERS and DATA (and trailers); the response's HEADERS, DATA and trailers come back as an
-HTTP/1.1 response (proxycore/protocol/http2/outbound.py) that forward.py reads as it reads any
-upstream. So every check of the HTTP/1.1 path applies per stream unchanged: policy, SSRF
+HEADERS and DATA (and trailers); the response's HEADERS come back as an HTTP/1.1 head
+(proxycore/protocol/http2/outbound.py) read by the strict parser as it arrives and taken whole
+by forward.py (`H2Stream.take_response`), its DATA and trailers as an HTTP/1.1 body that
+forward.py reads as it reads any upstream's. So every check of the HTTP/1.1 path applies per
+stream unchanged: policy, SSRF
 checks, credential injection, header and response scrubbing, refusals, deadlines, and one
 terminal event per request. The stream is wrapped in an `UpstreamConnection` marked
 `multiplexed` (never pooled itself: its connection is).

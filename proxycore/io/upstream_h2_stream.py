@@ -6,8 +6,10 @@ where it would use a socket: the request head it writes is read back with the st
 sent as HEADERS (proxycore/protocol/http2/outbound.py), the body as DATA within the upstream's
 windows (at most `h2_stall_timeout` waiting for one), a chunked body's trailer section as
 trailers; the response's HEADERS, DATA and trailers, which the connection's reader task hands
-over (`on_response`, `on_data`, `on_trailers`, `on_end`, `break_off`), are read back as an
-HTTP/1.1 response, each piece acknowledged to the upstream's flow control as it is taken.
+over (`on_response`, `on_data`, `on_trailers`, `on_end`, `break_off`), become an HTTP/1.1
+response: its head read by the strict parser on arrival and taken whole by forward.py
+(`take_response`), its body read as bytes, each piece acknowledged to the upstream's flow
+control as it is taken.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class H2Stream:
         self._chunked = False
         self._trailers: list[tuple[bytes, bytes]] = []
         self._responded = False
+        # The response head, parsed as it arrived (or why it could not be), for forward.py.
+        self._response: http1.ResponseHead | None = None
+        self._malformed: HttpProtocolError | None = None
         self._eof = False
         self._closed = False
         self.broken: str | None = None
@@ -200,7 +205,18 @@ class H2Stream:
             return
         head, self._chunked = rendered
         self._responded = True
-        self._inbox.append((head, 0))
+        # Read by the strict parser as any upstream's head is (forward.py answers 502 for
+        # what it refuses), here rather than from the stream's bytes: the exchange takes it
+        # whole (`take_response`) and reads only the body from the stream.
+        try:
+            parsed = http1.parse_response_head(
+                head, self.connection.pool.http_limits, request_method=self._method
+            )
+            if parsed is None:
+                raise HttpProtocolError("closed inside a response head")
+            self._response = parsed[0]
+        except HttpProtocolError as exc:
+            self._malformed = exc
         self._wake_reader()
         if event.ended:
             self.on_end()
@@ -231,6 +247,25 @@ class H2Stream:
                 self.wrapper.reused = True  # never processed upstream: safe to send again
         self._wake_reader()
         self.wake_sender()
+
+    def take_response(self) -> http1.ResponseHead | None:
+        """The response head once it arrived (None: not yet); HttpProtocolError if the
+        parser refused it, BrokenResourceError if the stream ended without one."""
+        response = self._response
+        if response is not None:
+            return response
+        if self._malformed is not None:
+            raise self._malformed
+        if self._eof:
+            raise trio.BrokenResourceError("closed before a response")
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        return None
+
+    async def wait_readable(self) -> None:
+        """Until something arrives on the stream (or it breaks)."""
+        readable = self._readable = trio.Event()
+        await readable.wait()
 
     def try_receive(self, max_bytes: int) -> bytes | None:
         connection = self.connection
