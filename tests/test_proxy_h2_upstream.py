@@ -425,6 +425,14 @@ class RawH2Server:
                 ContinuationFrame(stream_id, data=b"\x82").serialize() for _ in range(40)
             )
             sock.sendall(conn.data_to_send() + frames)
+        elif path == b"/many-fields":
+            # Within h2's header list limit, over the HTTP/1.1 parser's field count.
+            many = [(b"x-f%d" % i, b"1") for i in range(150)]
+            conn.send_headers(stream_id, [*ok, *many])
+            conn.send_data(stream_id, b"ok", end_stream=True)
+        elif path == b"/huge-length":
+            # Digits only (the HTTP/2 side lets it through), over what the parser accepts.
+            conn.send_headers(stream_id, [*ok, (b"content-length", b"9" * 20)])
         elif path == b"/slow":
             time.sleep(1.0)  # this connection's thread: its only stream waits
             conn.send_headers(stream_id, ok)
@@ -606,6 +614,26 @@ def test_hostile_upstream_ends_its_stream_only(start, nginx: Nginx, raw, path: s
         "/continuation": "h2_continuation",
     }[path]
     assert why in refused[0].message, refused[0].message
+    assert proxy.process.poll() is None
+
+
+@pytest.mark.parametrize("path", ["/many-fields", "/huge-length"])
+def test_response_heads_the_parser_refuses_are_a_502(start, nginx: Nginx, raw, path: str) -> None:
+    """An HTTP/2 upstream's response head is read by the same strict parser as an HTTP/1.1
+    upstream's: more fields than `max_header_count`, or a Content-Length over its bound, is
+    a readable 502 naming the malformed response, one terminal event; the next request on the
+    same upstream connection is served."""
+    proxy = start(nginx.tls_h2, upstream='h2c = ["plain.test"]')
+    done = curl("-x", proxy.url, "-w", "\\n%{http_code}", f"http://plain.test:{raw.port}{path}")
+    body, _, status = done.stdout.rpartition("\n")
+    assert status == "502", done.stdout
+    assert json.loads(body)["error"] == "upstream_failed"
+    again = curl("-x", proxy.url, f"http://plain.test:{raw.port}/ok")
+    assert again.stdout == "ok:/ok", (again.stdout, again.stderr)
+    refused = [e for e in proxy.events() if isinstance(e, RequestRefused)]
+    assert len(refused) == 1 and refused[0].status == 502
+    assert refused[0].rule == "upstream_protocol_error"
+    assert "sent a malformed response" in refused[0].message, refused[0].message
     assert proxy.process.poll() is None
 
 

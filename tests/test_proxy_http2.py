@@ -262,3 +262,25 @@ def test_idle_timeout_with_streams_in_flight_leaves_the_connection_alone(
                     raise AssertionError(f"stream {event.stream_id} reset")
         assert all(body.count(b"event: tick") == 3 for body in bodies.values()), bodies
         assert client.get(5, "/_appliance/health")[0] == 200
+
+
+async def test_whole_responses_go_out_as_status_and_fields(
+    proxy: RunningProxy, plain_host: FakeServer
+) -> None:
+    """A whole response reaches the stream as status and fields (no HTTP/1.1 in between): a
+    HEAD answer keeps its length and ends on its head, a body arrives whole with its length,
+    and each stream ends in one terminal event with its byte counts."""
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=20) as client:
+        head = await client.head(f"{proxy.url}/anthropic/v1/models")
+        got = await client.get(f"{proxy.url}/anthropic/v1/models")
+    assert head.http_version == got.http_version == "HTTP/2"
+    assert head.status_code == got.status_code == 200
+    # The fake provider answers HEAD with the length of {"ok": true}.
+    assert head.content == b"" and head.headers["content-length"] == "12"
+    assert int(got.headers["content-length"]) == len(got.content)
+    assert "connection" not in got.headers and "transfer-encoding" not in got.headers
+    allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed)]
+    assert [(e.method, e.status, e.bytes_down, e.complete) for e in allowed[-2:]] == [
+        ("HEAD", 200, 0, True),
+        ("GET", 200, len(got.content), True),
+    ]

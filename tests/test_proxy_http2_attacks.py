@@ -11,6 +11,7 @@ import time
 import hpack
 import pytest
 from hyperframe.frame import (
+    DataFrame,
     GoAwayFrame,
     HeadersFrame,
     SettingsFrame,
@@ -169,3 +170,33 @@ def test_zero_window_stall_resets_the_stream(make_proxy, provider) -> None:
     assert [f for f in frames if isinstance(f, HeadersFrame) and f.stream_id == 3]
     allowed = [e for e in proxy.events() if isinstance(e, RequestAllowed)]
     assert any("send window stalled" in e.ended for e in allowed), allowed
+
+
+def test_heads_over_the_http1_limits_are_refused_alone(proxy: RunningProxy) -> None:
+    """A stream's request head is read by the same parser as an HTTP/1.1 head, with its
+    limits: a request line over `max_request_line` (414) and more fields than
+    `max_header_count` (431) are each refused on their own stream with a readable answer and
+    one terminal event, and the well-formed stream beside them is served."""
+    raw = RawConnection(proxy)
+    long_path = raw.request(b"/" + b"a" * 9000)
+    many_fields = [*raw.request(), *((b"x-f%d" % i, b"1") for i in range(150))]
+    for stream_id, fields in ((1, long_path), (3, many_fields)):
+        block = raw.encoder.encode(fields)
+        raw.send(HeadersFrame(stream_id, block, flags=["END_HEADERS", "END_STREAM"]).serialize())
+    raw.send(raw.headers(5))
+    time.sleep(1)
+    raw.sock.shutdown(socket.SHUT_WR)
+    frames = raw.frames_until_close()
+    assert goaway_code(frames) in (None, ErrorCode.NO_ERROR)
+    statuses = {}
+    bodies: dict[int, bytes] = {}
+    decoder = hpack.Decoder()
+    for frame in frames:
+        if isinstance(frame, HeadersFrame):
+            statuses[frame.stream_id] = dict(decoder.decode(frame.data))[":status"]
+        elif isinstance(frame, DataFrame):
+            bodies[frame.stream_id] = bodies.get(frame.stream_id, b"") + frame.data
+    assert statuses == {1: "414", 3: "431", 5: "200"}, frames
+    assert b"bad_request" in bodies[1] and b"bad_request" in bodies[3]
+    refused = [e for e in proxy.events() if isinstance(e, RequestRefused) and e.status >= 414]
+    assert sorted(e.status for e in refused) == [414, 431]

@@ -71,6 +71,7 @@ from proxycore.protocol.plans import (
 from proxycore.protocol.refusals import Refusal, refusal
 
 if TYPE_CHECKING:
+    from proxycore.io.h2_stream import StreamPipe
     from proxycore.runtime import CrewState, ProxyRuntime
 
 log = logging.getLogger("proxycore")
@@ -88,6 +89,7 @@ class ClientConnection:
         "head_started",
         "limits",
         "phase",
+        "pipe",
         "progress",
         "requests",
         "response_started",
@@ -116,6 +118,10 @@ class ClientConnection:
         self.head_started = 0.0
         # Why the connection was ended from outside ("crew_removed"), if it was.
         self.ended_by: str | None = None
+        # The HTTP/2 stream this exchange serves (proxycore/io/http2.py), which hands over its
+        # request head whole and takes a decided response as status and fields; None: a
+        # connection of its own.
+        self.pipe: StreamPipe | None = None
 
     def end(self, reason: str) -> None:
         """End this connection from outside (its crew was removed)."""
@@ -228,7 +234,7 @@ class ClientConnection:
             self.response_started = False
             self.progress = None
             try:
-                head = await self.read_head()
+                head = await self.read_head() if self.pipe is None else self._stream_head()
             except PrefaceReceived:
                 await serve_http2(self)
                 return None
@@ -489,6 +495,23 @@ class ClientConnection:
                 now = time.monotonic()
                 head_deadline = now + limits.head_timeout
             buffer += data
+
+    def _stream_head(self) -> http1.RequestHead | None:
+        """The request head of this exchange's HTTP/2 stream, handed over whole: read by the
+        same parser as a socket's (the same checks, the same refusals), once (a stream carries
+        one exchange; None after it, as a socket's end reads)."""
+        assert self.pipe is not None
+        raw = self.pipe.take_head()
+        if raw is None:
+            return None
+        self.head_started = time.monotonic()
+        parsed = http1.parse_request_head(raw, self.runtime.http_limits)
+        if parsed is None:
+            raise HttpProtocolError("connection closed inside a request head")
+        head, consumed = parsed
+        self.requests += 1
+        self.buffer += raw[consumed:]
+        return head
 
     async def _receive_body(self, deadline: float | None = None) -> bytes:
         if self.buffer:

@@ -15,7 +15,8 @@ Request body, by framing (every one counted against `max_body_bytes` as it passe
 HTTP/2 upstreams (proxycore/io/upstream_h2.py): `_open` takes a stream on the crew's HTTP/2
 connection to the host when it has one with room, else dials (TLS offers ALPN h2; a cleartext
 host listed in `[upstream] h2c`, or a gRPC request, is reached with prior knowledge); the stream
-takes the same HTTP/1.1 bytes as a socket, so nothing below changes for it. Trailers: a request
+takes the same HTTP/1.1 bytes as a socket and gives the response's body as one; its response
+head comes already parsed, by the same parser (`_take_h2_response_head`). Trailers: a request
 body's trailer section reaches an HTTP/2 upstream (an HTTP/1.1 upstream never gets them, as
 before); a response's reaches an agent that takes them (proxycore/protocol/trailers.py).
 
@@ -24,7 +25,8 @@ proxycore/io/forward_grpc.py (its body goes up as it comes while the response co
 builds on this module's steps; the connection hands it there (`takes_duplex`).
 
 Response (proxycore/protocol/responses.py decides): no body; a small body read whole, scrubbed
-and sent with its new length; or a stream through the scrubber. A broken upstream before any
+and sent with its new length (to an agent's HTTP/2 stream as status and fields:
+`StreamPipe.send_response`); or a stream through the scrubber. A broken upstream before any
 response byte went to the agent is a 502 (or 504) the agent can read; after, the connection is
 closed (the only signal left) and the journal names why (`RequestAllowed.ended`).
 """
@@ -39,6 +41,7 @@ import trio
 from proxycore.errors import HttpProtocolError, PolicyDenied, UpstreamError
 from proxycore.io.progress import RECV_SIZE, Phase, Refused, upstream_refusal
 from proxycore.io.upstream import UpstreamConnection
+from proxycore.io.upstream_h2_stream import H2Stream
 from proxycore.protocol import http1
 from proxycore.protocol.events import CredentialInjected
 from proxycore.protocol.exchange import REPLAYABLE_BODY
@@ -110,7 +113,8 @@ async def relay_response(
         return await _relay_stream(conn, plan, head, decided, upstream, response)
     buffer = upstream.buffer
     if decided.mode is BodyMode.NONE:
-        out = decided.head()
+        scrubbed = b""
+        sent_length = None
     else:
         budget.used += length
         try:
@@ -121,13 +125,17 @@ async def relay_response(
         body = bytes(buffer[:length])
         del buffer[:length]
         scrubbed = conn.runtime.scrubbers.current.scrub(body) if body else body
-        progress.bytes_down = len(scrubbed)
+        progress.bytes_down = sent_length = len(scrubbed)
         if body:
             progress.redactions = redactions(body, scrubbed)
-        out = decided.head(len(scrubbed))
-        out += scrubbed
     conn.response_started = True
-    await conn.stream.send_all(out)
+    if conn.pipe is None:
+        out = decided.head(sent_length)
+        out += scrubbed
+        await conn.stream.send_all(out)
+    else:
+        # An HTTP/2 stream takes the status and fields as they are (no HTTP/1.1 in between).
+        await conn.pipe.send_response(decided, sent_length, scrubbed)
     # The exchange is complete: back to the crew's pool if it can carry another, else closed.
     conn.upstream = None
     if not (decided.reusable and not buffer and conn.runtime.dialer.checkin(upstream)):
@@ -412,6 +420,8 @@ async def _read_response_head(
     deadline: float,
 ) -> http1.ResponseHead:
     """The final response head (interim 1xx responses are read and dropped)."""
+    if isinstance(upstream.stream, H2Stream):
+        return await _take_h2_response_head(conn, plan, upstream.stream, deadline)
     buffer = upstream.buffer
     http_limits = conn.runtime.http_limits
     stream = upstream.stream
@@ -445,6 +455,25 @@ async def _read_response_head(
                 raise Refused(_protocol_error(plan, closed))
             raise _UpstreamBroken("closed before a response")
         buffer += data
+
+
+async def _take_h2_response_head(
+    conn: ClientConnection, plan: Forward, stream: H2Stream, deadline: float
+) -> http1.ResponseHead:
+    """An HTTP/2 upstream stream's response head, which the stream read with the same parser
+    as it arrived (no interim responses reach it: proxycore/protocol/http2/outbound.py)."""
+    while True:
+        try:
+            response = stream.take_response()
+        except HttpProtocolError as exc:
+            raise Refused(_protocol_error(plan, exc)) from None
+        except trio.BrokenResourceError as exc:
+            raise _UpstreamBroken(str(exc)) from None
+        if response is not None:
+            return response
+        conn.phase = Phase.UPSTREAM
+        conn.deadline = deadline
+        await stream.wait_readable()
 
 
 # -- the response -------------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 
 Theory of operation: proxycore/io/http2.py (the session that owns the connection). A
 `StreamPipe` is what the stream's `ClientConnection` reads and writes where it would use a
-socket: its input is the stream's request written as an HTTP/1.1 head
-(proxycore/protocol/http2/messages.py) and body, each piece acknowledged to the client's flow
-control as the exchange takes it; its output is the HTTP/1.1 response the exchange writes, read
-back with the strict parser into HEADERS, DATA and trailers within the client's windows (at
-most `stall_timeout` waiting for one). The frames that end a response are only queued and the
-session's writer woken (`H2Session.batched`). `proxycore/io/websocket_h2.py` extends it for
+socket. Its input: the stream's request written as an HTTP/1.1 head
+(proxycore/protocol/http2/messages.py), handed to the exchange whole (`take_head`: the
+exchange reads it with the same parser as a socket's), then the body, each piece acknowledged
+to the client's flow control as the exchange takes it. Its output: a whole response the
+exchange decided comes as status and fields (`send_response`, no HTTP/1.1 in between); any
+other (streamed bodies, refusals, local answers) is the HTTP/1.1 the exchange writes, read
+back with the strict parser. Both become HEADERS, DATA and trailers within the client's windows
+(at most `stall_timeout` waiting for one). The frames that end a response are only queued and
+the session's writer woken (`H2Session.batched`). `proxycore/io/websocket_h2.py` extends it for
 RFC 8441 WebSocket streams.
 """
 
@@ -22,6 +25,7 @@ from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import PlainStream
 from proxycore.protocol import http1
 from proxycore.protocol.http2 import ErrorCode, response_fields
+from proxycore.protocol.http2.messages import decided_fields
 from proxycore.protocol.trailers import relayable, section
 
 if TYPE_CHECKING:
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from proxycore.io.connection import ClientConnection
     from proxycore.io.http2 import H2Session
     from proxycore.protocol.http2.endpoint import H2Endpoint
+    from proxycore.protocol.responses import ResponsePlan
 
 __all__ = ["StreamPipe", "take_piece"]
 
@@ -69,6 +74,7 @@ class StreamPipe(PlainStream):
         "_closing",
         "_done",
         "_eof",
+        "_head",
         "_method",
         "_out",
         "_readable",
@@ -85,6 +91,7 @@ class StreamPipe(PlainStream):
         self._session = session
         self.stream_id = stream_id
         self._method = method
+        self._head: bytes | None = None
         self._body: collections.deque[tuple[bytes, int]] = collections.deque()
         self._chunked = False
         self._eof = False
@@ -101,9 +108,17 @@ class StreamPipe(PlainStream):
     # -- the request side (fed by the session, read by the exchange) --------------------------
 
     def feed_head(self, head: bytes, *, chunked: bool) -> None:
+        """The request head, held for the exchange to take whole (`take_head`); what the
+        stream reads is its body."""
         self._chunked = chunked
-        self._body.append((head, 0))
-        self._wake_reader()
+        self._head = head
+
+    def take_head(self) -> bytes | None:
+        """The request head as HTTP/1.1 (once; None after), for the exchange's parser."""
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        head, self._head = self._head, None
+        return head
 
     def feed_body(self, data: bytes, flow_length: int, *, ended: bool) -> None:
         if self._chunked:
@@ -230,6 +245,32 @@ class StreamPipe(PlainStream):
         else:
             await self._session.flush()  # a head whose body has not begun
 
+    async def send_response(
+        self, decided: ResponsePlan, content_length: int | None, body: bytes
+    ) -> None:
+        """A response the exchange decided, whole (no body, or its scrubbed body of
+        `content_length` bytes): sent as HEADERS and DATA without being written as HTTP/1.1
+        and read back, the same frames `send_all` would make of `decided.head()` and `body`."""
+        if self._reader is not None or self._out:
+            # Something was written as bytes before (never, after an interim 100 is whole):
+            # the rest goes the same way.
+            out = decided.head(content_length)
+            out += body
+            await self.send_all(out)
+            return
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        if self._done:
+            return
+        fields = decided_fields(decided.start, content_length, closes=not decided.keep_client)
+        if not body:
+            # No body: END_STREAM on the head (a HEAD, 204 or 304 answer, or an empty one).
+            await self._headers(decided.status, fields, end=True)
+            return
+        # Queued, and written with the DATA (one write for a small answer).
+        await self._headers(decided.status, fields, end=False, flush=False)
+        await self._data(body, end=True)
+
     async def _headers(
         self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool, flush: bool = True
     ) -> None:
@@ -246,11 +287,11 @@ class StreamPipe(PlainStream):
 
     async def _trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
         session = self._session
-        async with session.lock:
-            if not session.server.send_trailers(self.stream_id, fields):
-                raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
-            await session.send_locked()
+        if not session.server.send_trailers(self.stream_id, fields):
+            raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
+        # The response is whole: written with its siblings' in the writer's round.
         self._done = True
+        await session.batched()
 
     async def _data(self, piece: bytes, *, end: bool) -> None:
         session, server = self._session, self._session.server

@@ -15,9 +15,11 @@ the stream writes them itself and so waits for the client (backpressure, as befo
 
 Each stream is served by its own `ClientConnection` (the same class as an HTTP/1.1 connection)
 over a `StreamPipe` (proxycore/io/h2_stream.py): its input is the stream's request written as an
-HTTP/1.1 head (proxycore/protocol/http2/messages.py) and body, its output the HTTP/1.1 response
-the exchange writes, which the pipe reads back (the strict parser again) into HEADERS and DATA
-frames. So every stream goes through `plan_request` and the forward path unchanged: policy, SSRF
+HTTP/1.1 head (proxycore/protocol/http2/messages.py), which the exchange takes whole and reads
+with the strict parser as it reads a socket's, and the body; its output is a whole response as
+the exchange decided it (status and scrubbed fields), or the HTTP/1.1 the exchange writes, which
+the pipe reads back (the strict parser again), as HEADERS and DATA frames. So every stream goes
+through `plan_request` and the forward path unchanged: policy, SSRF
 checks, credential injection, header scrubbing, the response scrubber, refusals, fairness,
 deadlines, fault containment, and exactly one terminal event with byte counts (an HTTP/2
 upstream, too, is reached through the forward path: proxycore/io/upstream_h2.py).
@@ -345,11 +347,10 @@ class H2Session:
             pipe, write_head = StreamPipe(self, event.stream_id, event.method), request_head
         self.pipes[event.stream_id] = pipe
         crew.connections += 1
-        request = Request(crew.name, crew.mode, method=method)
         refusal = None
         if crew.connections > runtime.limits.max_connections_per_crew:
             # Each stream is one of the crew's requests in flight, as a connection is.
-            refusal = request.refused(
+            refusal = Request(crew.name, crew.mode, method=method).refused(
                 503,
                 "overloaded",
                 f"crew {crew.name} has {crew.connections - 1} connections and streams open; "
@@ -361,6 +362,7 @@ class H2Session:
             try:
                 head = write_head(event, crew.gateway)
             except MessageRefused as exc:
+                request = Request(crew.name, crew.mode, method=method)
                 refusal = request.refused(exc.status, exc.error, exc.message, close=False)
             else:
                 pipe.feed_head(head, chunked=b"\r\ntransfer-encoding: chunked\r\n" in head)
@@ -401,6 +403,7 @@ class H2Session:
                 self.runtime.sink.emit(request.errored(pipe.broken, 0))
                 return
             conn = type(self.conn)(self.runtime, pipe, self.crew)
+            conn.pipe = pipe
             pipe.exchange = conn
             await conn.run()
         finally:

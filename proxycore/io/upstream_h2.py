@@ -6,14 +6,18 @@ The dialer (proxycore/io/upstream.py) offers ALPN ["h2", "http/1.1"] on TLS; whe
 picks h2 (or a cleartext upstream is reached with prior knowledge, h2c: docs/proxy.md says
 when), `H2Pool.adopt` takes the connection over: an `H2Upstream` owns its socket, one task
 reads it and feeds the sans-IO `H2Client` (proxycore/protocol/http2/client.py), another writes
-what h2 queued; every write goes through one lock.
+what h2 queued; every write goes through one lock. A request head is only queued and the writer
+woken: the heads the streams open in one scheduling round go out with one write; a body's DATA
+is written by its stream (backpressure: it waits for the upstream).
 
 Each request is one `H2Stream` (proxycore/io/upstream_h2_stream.py): the byte stream the
 forward path (proxycore/io/forward.py) uses where it uses a socket. It writes the HTTP/1.1
 request the exchange built, which the stream reads back with the strict parser and sends as
-HEADERS and DATA (and trailers); the response's HEADERS, DATA and trailers come back as an
-HTTP/1.1 response (proxycore/protocol/http2/outbound.py) that forward.py reads as it reads any
-upstream. So every check of the HTTP/1.1 path applies per stream unchanged: policy, SSRF
+HEADERS and DATA (and trailers); the response's HEADERS come back as an HTTP/1.1 head
+(proxycore/protocol/http2/outbound.py) read by the strict parser as it arrives and taken whole
+by forward.py (`H2Stream.take_response`), its DATA and trailers as an HTTP/1.1 body that
+forward.py reads as it reads any upstream's. So every check of the HTTP/1.1 path applies per
+stream unchanged: policy, SSRF
 checks, credential injection, header and response scrubbing, refusals, deadlines, and one
 terminal event per request. The stream is wrapped in an `UpstreamConnection` marked
 `multiplexed` (never pooled itself: its connection is).
@@ -44,6 +48,7 @@ from typing import cast
 import trio
 
 from proxycore.errors import Http2ConnectionError
+from proxycore.io.fastio import PlainStream
 from proxycore.io.progress import RECV_SIZE
 from proxycore.io.upstream import PoolKey, UpstreamConnection
 from proxycore.io.upstream_h2_stream import H2Stream
@@ -176,10 +181,15 @@ class H2Upstream:
         self.link = link
         self.key = link.key
         self.client = H2Client(pool.limits)
+        # The preface queued first: a stream may open its head before this connection's tasks
+        # have run, and the writer sends both in order.
+        self.client.initiate()
         self.streams: dict[int, H2Stream] = {}
         self.opening: set[H2Stream] = set()  # streams whose head is not sent yet
         self.lock = trio.Lock()
         self.dirty = trio.Event()
+        # A cleartext connection's socket, written directly while the kernel takes it all.
+        self.sock = link.stream.sock if isinstance(link.stream, PlainStream) else None
         self.scope = trio.CancelScope()
         self.broken: str | None = None
         self.retiring = False
@@ -213,7 +223,6 @@ class H2Upstream:
             with self.scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop)
-                    self.client.initiate()
                     self.kick()
                     why = await self._read_loop()
                     nursery.cancel_scope.cancel()
@@ -270,9 +279,24 @@ class H2Upstream:
     def kick(self) -> None:
         self.dirty.set()
 
+    def batched(self) -> None:
+        """A stream queued frames that may wait for the writer's next round (a request head
+        whose answer the stream now awaits): wake the writer, which sends what the streams
+        queued in the same round with one write."""
+        self.dirty.set()
+
     async def flush(self) -> None:
-        async with self.lock:
+        """Write what h2 queued. The lock is taken without a checkpoint when free (trio's
+        `async with lock` yields while holding it, making every other stream wait a round)."""
+        lock = self.lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             await self.send_locked()
+        finally:
+            lock.release()
 
     async def send_locked(self) -> None:
         """Write what h2 queued (the caller holds the lock); an upstream that reads nothing
@@ -282,6 +306,19 @@ class H2Upstream:
         data = self.client.data_to_send()
         if not data:
             return
+        sock = self.sock
+        if sock is not None:
+            # The common case first: the kernel takes it all now (no scope, no wait).
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self.shut(f"upstream connection broken: {exc}")
+                raise trio.BrokenResourceError(self.broken) from None
+            if sent == len(data):
+                return
+            data = data[sent:]
         # Shielded: a frame cut in the middle would break every stream of the connection.
         with trio.CancelScope(shield=True):
             with trio.move_on_after(self.pool.write_timeout) as scope:

@@ -6,8 +6,10 @@ where it would use a socket: the request head it writes is read back with the st
 sent as HEADERS (proxycore/protocol/http2/outbound.py), the body as DATA within the upstream's
 windows (at most `h2_stall_timeout` waiting for one), a chunked body's trailer section as
 trailers; the response's HEADERS, DATA and trailers, which the connection's reader task hands
-over (`on_response`, `on_data`, `on_trailers`, `on_end`, `break_off`), are read back as an
-HTTP/1.1 response, each piece acknowledged to the upstream's flow control as it is taken.
+over (`on_response`, `on_data`, `on_trailers`, `on_end`, `break_off`), become an HTTP/1.1
+response: its head read by the strict parser on arrival and taken whole by forward.py
+(`take_response`), its body read as bytes, each piece acknowledged to the upstream's flow
+control as it is taken.
 """
 
 from __future__ import annotations
@@ -49,11 +51,15 @@ class H2Stream:
         self._chunked = False
         self._trailers: list[tuple[bytes, bytes]] = []
         self._responded = False
+        # The response head, parsed as it arrived (or why it could not be), for forward.py.
+        self._response: http1.ResponseHead | None = None
+        self._malformed: HttpProtocolError | None = None
         self._eof = False
         self._closed = False
         self.broken: str | None = None
-        self._readable = trio.Event()
-        self._writable = trio.Event()
+        # Created when a side has to wait (most streams wait once, for the response).
+        self._readable: trio.Event | None = None
+        self._writable: trio.Event | None = None
         connection.opening.add(self)
 
     def _opened(self) -> None:
@@ -78,7 +84,7 @@ class H2Stream:
                 self._head.clear()
                 self._method = head.method
                 self._request = http1.BodyReader.for_request(head, limits)
-                await self._open(request_fields(head, tls=self.connection.key[1]))
+                self._open(request_fields(head, tls=self.connection.key[1]))
                 if self._request.done:
                     return
             piece = self._request.feed(bytes(data))
@@ -99,68 +105,71 @@ class H2Stream:
         self.break_off(why, refused=False)
         raise trio.BrokenResourceError(why)
 
-    async def _open(self, fields: list[tuple[bytes, bytes]]) -> None:
+    def _open(self, fields: list[tuple[bytes, bytes]]) -> None:
         connection = self.connection
         end = self._request is not None and self._request.done
-        async with connection.lock:
-            if connection.broken is not None or not connection.client.can_open_now():
-                # The connection went away (or a GOAWAY came) before this head was sent: the
-                # request was never seen upstream and may go on another connection.
-                self._opened()
-                connection.client.unreserve()
-                self.break_off(connection.broken or "upstream GOAWAY", refused=True)
-                raise trio.BrokenResourceError(self.broken)
-            try:
-                self.stream_id = connection.client.open_stream(fields, end=end)
-            except RequestUnsendable as exc:
-                connection.client.unreserve()
-                self._opened()
-                self._fail_request(f"the request cannot be sent over HTTP/2: {exc}")
+        # h2's state changes at once (no await): the stream's identifier is the next one
+        # whoever writes the queue; the writer's next round sends the heads the streams opened
+        # in this round with one write (a body's first DATA sends it sooner, `_send_body`).
+        if connection.broken is not None or not connection.client.can_open_now():
+            # The connection went away (or a GOAWAY came) before this head was sent: the
+            # request was never seen upstream and may go on another connection.
             self._opened()
-            connection.streams[self.stream_id] = self
-            if end:
-                self._sent_end = True
-            await connection.send_locked()
+            connection.client.unreserve()
+            self.break_off(connection.broken or "upstream GOAWAY", refused=True)
+            raise trio.BrokenResourceError(self.broken)
+        try:
+            self.stream_id = connection.client.open_stream(fields, end=end)
+        except RequestUnsendable as exc:
+            connection.client.unreserve()
+            self._opened()
+            self._fail_request(f"the request cannot be sent over HTTP/2: {exc}")
+        self._opened()
+        connection.streams[self.stream_id] = self
+        if end:
+            self._sent_end = True
+        connection.batched()
 
     async def _send_body(self, piece: bytes, *, end: bool) -> None:
         connection, client = self.connection, self.connection.client
         view = memoryview(piece)
         while view or (end and not self._sent_end):
-            async with connection.lock:
-                if self.broken is not None:
-                    raise trio.BrokenResourceError(self.broken)
-                window = client.send_window(self.stream_id)
-                if window or not view:
-                    take = min(len(view), window)
-                    last = end and take == len(view)
-                    if client.send_data(self.stream_id, view[:take], end=last) < 0:
-                        raise trio.BrokenResourceError(self.broken or "stream closed upstream")
-                    view = view[take:]
-                    if last:
-                        self._sent_end = True
-                    await connection.send_locked()
-                    continue
-                self._writable = trio.Event()
-            await self._wait_for_window()
+            if self.broken is not None:
+                raise trio.BrokenResourceError(self.broken)
+            window = client.send_window(self.stream_id)
+            if window or not view:
+                take = min(len(view), window)
+                last = end and take == len(view)
+                if client.send_data(self.stream_id, view[:take], end=last) < 0:
+                    raise trio.BrokenResourceError(self.broken or "stream closed upstream")
+                view = view[take:]
+                if last:
+                    self._sent_end = True
+                await connection.flush()  # a frame at a time: the upstream's pace
+                continue
+            writable = self._writable = trio.Event()
+            await connection.flush()  # what is queued (the head) goes out meanwhile
+            await self._wait_for_window(writable)
 
     async def _send_trailers(self, fields: list[tuple[bytes, bytes]]) -> None:
         connection = self.connection
-        async with connection.lock:
-            if self.broken is not None:
-                raise trio.BrokenResourceError(self.broken)
-            try:
-                sent = connection.client.send_trailers(self.stream_id, fields)
-            except RequestUnsendable as exc:
-                self._fail_request(f"request trailers cannot be sent: {exc}")
-            if not sent:
-                raise trio.BrokenResourceError(self.broken or "stream closed upstream")
-            self._sent_end = True
-            await connection.send_locked()
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        try:
+            sent = connection.client.send_trailers(self.stream_id, fields)
+        except RequestUnsendable as exc:
+            self._fail_request(f"request trailers cannot be sent: {exc}")
+        if not sent:
+            raise trio.BrokenResourceError(self.broken or "stream closed upstream")
+        self._sent_end = True
+        await connection.flush()
 
-    async def _wait_for_window(self) -> None:
+    async def _wait_for_window(self, writable: trio.Event) -> None:
         """A zero send window: wait for the upstream to open it, at most `stall_timeout`."""
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
         with trio.move_on_after(self.connection.pool.limits.stall_timeout) as scope:
-            await self._writable.wait()
+            await writable.wait()
         if self.broken is not None:
             raise trio.BrokenResourceError(self.broken)
         if scope.cancelled_caught:
@@ -169,7 +178,12 @@ class H2Stream:
             self._fail_request("send window stalled (the upstream never opened it)")
 
     def wake_sender(self) -> None:
-        self._writable.set()
+        if self._writable is not None:
+            self._writable.set()
+
+    def _wake_reader(self) -> None:
+        if self._readable is not None:
+            self._readable.set()
 
     def abort(self, why: str) -> None:
         """The request cannot be completed (its body failed): reset the stream; the response
@@ -191,8 +205,19 @@ class H2Stream:
             return
         head, self._chunked = rendered
         self._responded = True
-        self._inbox.append((head, 0))
-        self._readable.set()
+        # Read by the strict parser as any upstream's head is (forward.py answers 502 for
+        # what it refuses), here rather than from the stream's bytes: the exchange takes it
+        # whole (`take_response`) and reads only the body from the stream.
+        try:
+            parsed = http1.parse_response_head(
+                head, self.connection.pool.http_limits, request_method=self._method
+            )
+            if parsed is None:
+                raise HttpProtocolError("closed inside a response head")
+            self._response = parsed[0]
+        except HttpProtocolError as exc:
+            self._malformed = exc
+        self._wake_reader()
         if event.ended:
             self.on_end()
 
@@ -200,7 +225,7 @@ class H2Stream:
         if data and self._chunked:
             data = http1.encode_chunk(data)
         self._inbox.append((data, flow))
-        self._readable.set()
+        self._wake_reader()
         if ended:
             self.on_end()
 
@@ -213,15 +238,34 @@ class H2Stream:
         if self._chunked:
             self._inbox.append((section(self._trailers) if self._trailers else http1.LAST_CHUNK, 0))
         self._eof = True
-        self._readable.set()
+        self._wake_reader()
 
     def break_off(self, why: str, *, refused: bool) -> None:
         if self.broken is None and not self._eof:
             self.broken = why
             if self.wrapper is not None and refused and not self._responded:
                 self.wrapper.reused = True  # never processed upstream: safe to send again
-        self._readable.set()
-        self._writable.set()
+        self._wake_reader()
+        self.wake_sender()
+
+    def take_response(self) -> http1.ResponseHead | None:
+        """The response head once it arrived (None: not yet); HttpProtocolError if the
+        parser refused it, BrokenResourceError if the stream ended without one."""
+        response = self._response
+        if response is not None:
+            return response
+        if self._malformed is not None:
+            raise self._malformed
+        if self._eof:
+            raise trio.BrokenResourceError("closed before a response")
+        if self.broken is not None:
+            raise trio.BrokenResourceError(self.broken)
+        return None
+
+    async def wait_readable(self) -> None:
+        """Until something arrives on the stream (or it breaks)."""
+        readable = self._readable = trio.Event()
+        await readable.wait()
 
     def try_receive(self, max_bytes: int) -> bytes | None:
         connection = self.connection
@@ -240,8 +284,8 @@ class H2Stream:
             data = self.try_receive(max_bytes)
             if data is not None:
                 return data
-            self._readable = trio.Event()
-            await self._readable.wait()
+            readable = self._readable = trio.Event()
+            await readable.wait()
 
     async def receive(self, max_bytes: int) -> bytes:
         return await self.receive_after_wait(max_bytes)

@@ -19,7 +19,9 @@ anyway); "connection: close" makes each stream one exchange.
 
 `response_fields` goes the other way: an HTTP/1.1 response head (already scrubbed by the
 exchange) becomes the :status and the fields of an HTTP/2 response, minus the
-connection-specific fields HTTP/2 forbids (RFC 9113 8.2.2).
+connection-specific fields HTTP/2 forbids (RFC 9113 8.2.2). `decided_fields` gives the same
+fields from the head the exchange decided (proxycore/protocol/responses.py) before it is
+rendered as HTTP/1.1, so that a whole response need not be written out and read back.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import re
 from proxycore.errors import PolicyDenied
 from proxycore.protocol import http1
 from proxycore.protocol.http1.grammar import TOKEN
+from proxycore.protocol.http1.heads import split_fields
 from proxycore.protocol.http2.events import RequestReceived
 from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, FIELD_NAME, FIELD_VALUE
 from proxycore.protocol.policy import normalize_host
 
-__all__ = ["MessageRefused", "request_head", "response_fields"]
+__all__ = ["MessageRefused", "decided_fields", "request_head", "response_fields"]
 
 _TOKEN_RE = re.compile(TOKEN)
 _TARGET_RE = re.compile(rb"[\x21-\x7e]+")
@@ -137,3 +140,17 @@ def response_fields(head: http1.ResponseHead) -> list[tuple[bytes, bytes]]:
         for name, value in http1.strip_hop_by_hop(fields, keep_underscores=True)
         if name not in _RESPONSE_DROP
     ]
+
+
+def decided_fields(
+    start: bytes, content_length: int | None, *, closes: bool
+) -> list[tuple[bytes, bytes]]:
+    """The HTTP/2 fields of a response the exchange decided: `start` is its status line and
+    field lines (`ResponsePlan.start`: scrubbed, without framing or connection fields), which
+    `ResponsePlan.head` would render followed by the length and, when `closes`, "connection:
+    close". The same fields, in the same order, as `response_fields` reads from that head."""
+    drop = _CLOSE_DROP if closes else _RESPONSE_DROP
+    fields = [(name, value) for name, value in split_fields(start) if name not in drop]
+    if content_length is not None:
+        fields.append((b"content-length", b"%d" % content_length))
+    return fields
