@@ -234,7 +234,7 @@ class H2Upstream:
             log.error("proxy: upstream h2 connection failed: %s", type(failure).__name__)
             why = f"internal error: {type(failure).__name__}"
         finally:
-            self._break(self.broken or why)
+            self._break_contained(self.broken or why)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 # A GOAWAY queued by a limit goes out if the upstream still reads.
                 data = self.client.data_to_send()
@@ -333,8 +333,18 @@ class H2Upstream:
 
     def shut(self, why: str) -> None:
         """End the connection now: its streams break, its tasks end, its socket closes."""
-        self._break(why)
+        self._break_contained(why)
         self.scope.cancel()
+
+    def _break_contained(self, why: str) -> None:
+        """`_break`, whose failure (a bug) stays this connection's: it is called from the
+        connection's own task and from the pool's (reaping, stopping), and an exception there
+        would end the pool's other connections and the worker. The streams then end by their
+        own deadlines; the connection is still closed by its task."""
+        try:
+            self._break(why)
+        except Exception as exc:
+            log.error("proxy: ending an upstream h2 connection failed: %s", type(exc).__name__)
 
     def retire(self) -> None:
         """No new streams; closes once the open ones end."""
