@@ -22,7 +22,9 @@ from appliance.daemon.errors import ConfigInvalid
 from tests.conftest import ROOT, free_port
 
 
-def ctl(home: Path, *args: str, env: dict[str, str] | None = None, module: str = "appliance.cli"):
+def ctl(
+    home: Path, *args: str, env: dict[str, str] | None = None, module: str = "appliance.cli"
+) -> subprocess.CompletedProcess[str]:
     environment = {
         k: v
         for k, v in os.environ.items()
@@ -63,7 +65,9 @@ def certs(tmp_path: Path) -> dict[str, str]:
     return make_certs(tmp_path / "certs")
 
 
-def add_tls(home: Path, name: str, address: str, certs: dict[str, str]):
+def add_tls(
+    home: Path, name: str, address: str, certs: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
     return ctl(
         home,
         "context",
