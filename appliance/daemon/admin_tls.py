@@ -59,7 +59,8 @@ def server_context(section: AdminTlsSection) -> ssl.SSLContext:
 
 
 def peer_subject(certificate: Any) -> str:
-    """ "CN=admin-1" of ssl's decoded certificate (getpeercert()), for the log."""
+    """Who a client certificate names, for the log: its subject's common and organization
+    names and its subjectAltName entries (ssl's decoded form, SSLSocket.getpeercert())."""
     if not certificate:
         return "?"
     parts = [
@@ -68,4 +69,5 @@ def peer_subject(certificate: Any) -> str:
         for name, value in rdn
         if name in ("commonName", "organizationName")
     ]
-    return ",".join(parts) or "?"
+    parts += [f"{kind}:{value}" for kind, value in certificate.get("subjectAltName", ())]
+    return ", ".join(parts) or "?"
