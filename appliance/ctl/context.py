@@ -8,25 +8,12 @@ import argparse
 import os
 from typing import Any
 
-from . import exits
+from .errors import CtlError, UsageError
 from .http import DEFAULT_ADMIN_SOCKET
 
+__all__ = ["CtlError", "UsageError", "client", "endpoint", "selected", "socket_path"]
+
 DEFAULT_CONFIG = "/etc/agent-appliance/appliance.toml"
-
-
-class CtlError(Exception):
-    """A failure the command reports (one line) with an exit code of exits.py."""
-
-    def __init__(self, message: str, code: int = exits.FAILURE, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.kind = kind
-
-
-class UsageError(CtlError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, exits.USAGE, "usage")
 
 
 def config_path(args: argparse.Namespace) -> str | None:
@@ -67,36 +54,10 @@ def _configured_socket(args: argparse.Namespace) -> str:
 
 
 def selected(args: argparse.Namespace) -> tuple[str, str]:
-    """(context name, why it was chosen), in the documented order (docs/hosts.md): the flags
-    (--context; or --socket/--config, which name the local socket), the environment
-    ($APPLIANCE_CONTEXT; or $APPLIANCECTL_SOCKET), the store's `current`, the local default.
-    Two choices at one level are refused rather than one silently winning."""
+    """(context name, why it was chosen): contexts.selected."""
     from . import contexts
 
-    flag = getattr(args, "context", None)
-    local_flags = [f for f in ("socket", "config") if getattr(args, f, None)]
-    if flag is not None:
-        if local_flags:
-            raise UsageError(
-                f"argument --context: not with --{local_flags[0]} (both choose the endpoint)"
-            )
-        return flag, "--context"
-    if local_flags:
-        return contexts.DEFAULT, f"--{local_flags[0]}"
-    env = os.environ.get(contexts.ENV)
-    if env:
-        if os.environ.get("APPLIANCECTL_SOCKET"):
-            raise UsageError(
-                f"${contexts.ENV} and $APPLIANCECTL_SOCKET are both set (both choose the "
-                "endpoint): unset one"
-            )
-        return env, f"${contexts.ENV}"
-    if os.environ.get("APPLIANCECTL_SOCKET"):
-        return contexts.DEFAULT, "$APPLIANCECTL_SOCKET"
-    store = contexts.load()
-    if store.current:
-        return store.current, f"current in {store.path}"
-    return contexts.DEFAULT, "no context chosen"
+    return contexts.selected(args)
 
 
 def endpoint(args: argparse.Namespace) -> Any:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from . import exits
-from .context import CtlError
+from .errors import CtlError, UsageError
 
 DEFAULT = "default"
 ENV = "APPLIANCE_CONTEXT"
@@ -209,6 +209,37 @@ def check(name: str, context: Any, *, where: str) -> None:
             raise ContextsError(f"{where}.address`: {exc}") from None
 
 
+def selected(args: Any) -> tuple[str, str]:
+    """(context name, why it was chosen), in the documented order (docs/hosts.md): the flags
+    (--context; or --socket/--config, which name the local socket), the environment
+    ($APPLIANCE_CONTEXT; or $APPLIANCECTL_SOCKET), the store's `current`, the local default.
+    Two choices at one level are refused rather than one silently winning."""
+    flag = getattr(args, "context", None)
+    local_flags = [f for f in ("socket", "config") if getattr(args, f, None)]
+    if flag is not None:
+        if local_flags:
+            raise UsageError(
+                f"argument --context: not with --{local_flags[0]} (both choose the endpoint)"
+            )
+        return flag, "--context"
+    if local_flags:
+        return DEFAULT, f"--{local_flags[0]}"
+    env = os.environ.get(ENV)
+    if env:
+        if os.environ.get("APPLIANCECTL_SOCKET"):
+            raise UsageError(
+                f"${ENV} and $APPLIANCECTL_SOCKET are both set (both choose the "
+                "endpoint): unset one"
+            )
+        return env, f"${ENV}"
+    if os.environ.get("APPLIANCECTL_SOCKET"):
+        return DEFAULT, "$APPLIANCECTL_SOCKET"
+    store = load()
+    if store.current:
+        return store.current, f"current in {store.path}"
+    return DEFAULT, "no context chosen"
+
+
 def endpoint_text(context: dict[str, Any]) -> str:
     """What a context points at, for `context list` and messages."""
     kind = context["type"]
@@ -275,13 +306,11 @@ def cmd_list(args: Any, out: Any) -> int:
 
 
 def cmd_show(args: Any, out: Any) -> int:
-    from . import context as ctx
-
     store = load()
     if args.name:
         name, why = args.name, "named"
     else:
-        name, why = ctx.selected(args)
+        name, why = selected(args)
     check_name(name, where="argument NAME")
     row = (
         _default_row(store.current)

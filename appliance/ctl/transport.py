@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from . import exits, http
-from .context import CtlError
+from .errors import CtlError
 
 
 class ContextError(CtlError):
