@@ -92,13 +92,19 @@ class TlsEndpoint(http.Endpoint):
         self.label = f"tls://{address}"
 
     def connect(self, timeout: float | None) -> Any:
+        # The connect and the handshake within CONNECT_TIMEOUT (a host that is down or
+        # filtered must not hold a command for the request's own, longer, timeout), then the
+        # request's timeout (None: `events -f`, which waits as long as it must).
+        first = CONNECT_TIMEOUT if timeout is None else min(timeout, CONNECT_TIMEOUT)
         try:
-            raw = socket.create_connection((self.host, self.port), timeout=timeout)
+            raw = socket.create_connection((self.host, self.port), timeout=first)
         except OSError as exc:
             why = exc.strerror or str(exc) or type(exc).__name__
             raise http.Unreachable(f"applianced is not answering on {self.label}: {why}") from None
         try:
-            return self.context.wrap_socket(raw, server_hostname=self.server_name)
+            tls = self.context.wrap_socket(raw, server_hostname=self.server_name)
+            tls.settimeout(timeout)
+            return tls
         except ssl.SSLCertVerificationError as exc:
             raw.close()
             raise http.Unreachable(
@@ -141,6 +147,7 @@ FORCED_SSH_OPTIONS = (
     "ServerAliveCountMax=3",
 )
 SSH_READY_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 15.0
 
 
 def _die_with_parent() -> None:
