@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,7 +33,13 @@ import trustme
 from appliance.ctl import exits
 from appliance.demo_upstream import FakeServer
 from tests.conftest import ROOT, free_port, in_ci, proxy_env, wait_for_port
-from tests.daemon_support import Appliance, busybox_images, needs_root_and_docker, new_appliance
+from tests.daemon_support import (
+    Appliance,
+    busybox_images,
+    needs_root_and_docker,
+    new_appliance,
+    sigint_as_in_a_terminal,
+)
 
 SSHD = "/usr/sbin/sshd"
 
@@ -231,6 +239,36 @@ def test_two_hosts_through_contexts(
                    stdin="through the context\n")  # fmt: skip
         assert done.returncode == 3, done.stderr
         assert done.stdout == "through the context\n"
+
+    # Ctrl-C during `run`: forwarded to the command in the crew (exit 130 as a shell reports
+    # it), on both transports; the SSH tunnel, in a session of its own, does not get it.
+    for name, crew in (("host-a", crew_a), ("host-b", crew_b)):
+        environment = {k: v for k, v in proxy_env().items() if k != "APPLIANCECTL_SOCKET"}
+        environment["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "appliance.ctl", "--context", name, "run", crew, "--",
+             "sh", "-c", "echo started; exec sleep 60"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+            cwd=ROOT, preexec_fn=sigint_as_in_a_terminal,
+        )  # fmt: skip
+        assert process.stdout is not None
+        assert process.stdout.readline() == "started\n"
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+        assert process.returncode == exits.INTERRUPTED, (name, out, err)
+        assert time.monotonic() - started < 10 and "Traceback" not in err
+
+    # What each transport costs a command (printed with -s): `status`, median of five.
+    for name in ("default", "host-a", "host-b"):
+        extra = {"APPLIANCECTL_SOCKET": str(a.socket)} if name == "default" else {}
+        times = []
+        for _ in range(5):
+            begin = time.monotonic()
+            args = ("status",) if name == "default" else ("--context", name, "status")
+            assert ctl(*args, env=extra).returncode == 0
+            times.append(time.monotonic() - begin)
+        print(f"status through {name}: {sorted(times)[2] * 1000:.0f} ms (median of 5)")
 
     # The current context, then the flag over it.
     assert ctl("context", "use", "host-b").returncode == 0
