@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -311,3 +313,57 @@ def test_admin_tls_preflight_names_the_key(tmp_path: Path) -> None:
     found = _Collect("appliance.toml")
     _admin_tls(config, found)
     assert found.problems == []
+
+
+def test_completion_offers_context_names(tmp_path: Path) -> None:
+    """bash (and zsh through it) and fish complete context names after --context and for
+    `context use/show/rm`, from `appliancectl context ls -o name`."""
+    home = tmp_path / "config"
+    for name in ("rack1-a", "rack1-b"):
+        assert ctl(home, "context", "add", name, "--unix", f"/run/{name}.sock").returncode == 0
+    shim = tmp_path / "bin" / "appliancectl"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m appliance.cli "$@"\n')
+    shim.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{shim.parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "XDG_CONFIG_HOME": str(home),
+    }
+    script = tmp_path / "c.bash"
+    script.write_text(ctl(home, "completion", "bash").stdout)
+    lines = (
+        f"source {script}\n"
+        'complete() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); _appliancectl; '
+        'echo "${COMPREPLY[*]}"; }\n'
+        "complete appliancectl --context r\n"
+        "complete appliancectl context use ''\n"
+        "complete appliancectl context rm rack1-b\n"
+        "complete appliancectl context u\n"
+    )
+    done = subprocess.run(
+        ["bash", "-c", lines], capture_output=True, text=True, timeout=60, env=env
+    )
+    flag, use, rm, sub = done.stdout.splitlines()
+    assert (flag, rm, sub) == ("rack1-a rack1-b", "rack1-b", "use"), done
+    assert {"default", "rack1-a", "rack1-b", "--context"} <= set(use.split()), done
+    fish = shutil.which("fish")
+    if fish is None:
+        return  # tests/test_cli.py says what installs it
+    path = tmp_path / "c.fish"
+    path.write_text(ctl(home, "completion", "fish").stdout)
+
+    def complete(line: str) -> list[str]:
+        done = subprocess.run(
+            [fish, "--no-config", "-c", f"source {path}; complete -C {shlex.quote(line)}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert done.returncode == 0 and not done.stderr, done
+        return [candidate.split("\t", 1)[0] for candidate in done.stdout.splitlines()]
+
+    assert complete("appliancectl --context r") == ["rack1-a", "rack1-b"]
+    assert complete("appliancectl context use rack1-") == ["rack1-a", "rack1-b"]
