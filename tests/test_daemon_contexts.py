@@ -341,6 +341,10 @@ def test_two_hosts_through_contexts(
     )  # fmt: skip
     refused = ctl("--context", "b-no-socket", "status")
     assert refused.returncode == exits.UNREACHABLE, refused.stderr
+    print("no remote socket:", refused.stderr.strip())
+    assert "context b-no-socket: applianced on ssh://root@127.0.0.1/run/none.sock" in (
+        refused.stderr
+    )
     assert tunnels_left() == []  # no ssh outlives its appliancectl
 
     for name, crew in (("host-a", crew_a), ("host-b", crew_b)):

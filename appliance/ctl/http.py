@@ -37,6 +37,8 @@ class Endpoint:
     so the fast path never builds one of these."""
 
     label = ""
+    # Appended to a failure after the connect: what this transport's likely causes are.
+    hint = ""
 
     def connect(self, timeout: float | None) -> "Any":
         raise NotImplementedError
@@ -232,7 +234,8 @@ def request(
         response.read_head()
     except (OSError, ProtocolError) as exc:
         sock.close()
-        raise Unreachable(f"applianced on {path}: {exc}") from None
+        hint = "" if isinstance(path, str) else path.hint
+        raise Unreachable(f"applianced on {path}: {exc}{hint}") from None
     if response.status >= 400:
         try:
             raw = response.body()

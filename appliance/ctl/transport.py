@@ -164,6 +164,33 @@ def _die_with_parent() -> None:
         pass
 
 
+class ForwardedSocket(http.Endpoint):
+    """The tunnel's local socket, named in messages by what it reaches (ssh://HOST/PATH), not
+    by its temporary path."""
+
+    # The local end accepts whatever the far end does: a closed or reset connection is sshd
+    # failing to reach the socket there, or refusing to forward it.
+    hint = (
+        " (sshd there could not connect to the admin socket: is the path right, applianced "
+        "running, and may this login forward a Unix socket? docs/hosts.md)"
+    )
+
+    def __init__(self, path: str, label: str) -> None:
+        self.path = path
+        self.label = label
+
+    def connect(self, timeout: float | None) -> Any:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            why = exc.strerror or str(exc) or type(exc).__name__
+            raise http.Unreachable(f"applianced is not answering on {self.label}: {why}") from None
+        return sock
+
+
 class SshTunnel:
     """`ssh -N -L <tmp>/admin.sock:<remote socket> DEST` for the life of this appliancectl; its
     local path is the endpoint. The remote login must be allowed to connect to the admin socket
@@ -202,8 +229,8 @@ class SshTunnel:
             argv += ["-o", option]
         return [*argv, "-L", f"{local}:{self.remote_socket}", "--", self.destination]
 
-    def open(self) -> str:
-        """Start the tunnel; the local socket path once it accepts. `Unreachable` with ssh's own
+    def open(self) -> ForwardedSocket:
+        """Start the tunnel; its local socket once it accepts. `Unreachable` with ssh's own
         words when ssh exits first (refused, host key, authentication, forward refused)."""
         if shutil.which(self.ssh_command) is None:
             raise ContextError(
@@ -247,7 +274,7 @@ class SshTunnel:
                 )
             time.sleep(0.02)
         errors.close()
-        return local
+        return ForwardedSocket(local, label)
 
     def close(self) -> None:
         if self.process is not None and self.process.poll() is None:
