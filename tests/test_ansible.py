@@ -76,7 +76,10 @@ def test_ansible_lint_production_profile() -> None:
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The role's two templates rendered by ansible with the role's defaults, into a temporary
     directory; appliance_venv points at this venv so that ExecStart names a real appliancectl."""
-    out = tmp_path_factory.mktemp("rendered")
+    return _render(tmp_path_factory.mktemp("rendered"))
+
+
+def _render(out: Path, *extra_vars: str) -> Path:
     playbook = out / "render.yml"
     playbook.write_text(
         json.dumps(
@@ -112,11 +115,32 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"appliance_venv={sys.prefix}",
             "-e",
             f"ansible_python_interpreter={sys.executable}",
+            *(arg for var in extra_vars for arg in ("-e", var)),
             str(playbook),
         ],
         out,
     )
     return out
+
+
+def test_inventory_example_for_n_hosts(tmp_path: Path) -> None:
+    """The example inventory: several hosts in `appliance`, one with the admin TLS listener,
+    and what the role writes for that one is an [admin_tls] section applianced accepts."""
+    proc = _run([_tool("ansible-inventory"), "-i", "inventory.example.ini", "--list"], ANSIBLE_DIR)
+    inventory = json.loads(proc.stdout)
+    hosts = inventory["appliance"]["hosts"]
+    assert len(hosts) >= 2
+    listen = {
+        host: inventory["_meta"]["hostvars"][host].get("appliance_admin_tls_listen")
+        for host in hosts
+    }
+    tls_hosts = [host for host, value in listen.items() if value]
+    assert len(tls_hosts) == 1
+    out = _render(tmp_path, f"appliance_admin_tls_listen={listen[tls_hosts[0]]}")
+    config = parse_config((out / "appliance.toml").read_text(), source="appliance.toml")
+    assert config.admin_tls.listen == listen[tls_hosts[0]]
+    assert config.admin_tls.cert_file == "/etc/agent-appliance/admin-tls.pem"
+    assert config.admin_tls.client_ca_file == "/etc/agent-appliance/admin-clients-ca.pem"
 
 
 def test_rendered_config_parses_with_the_defaults_of_the_role(rendered: Path) -> None:

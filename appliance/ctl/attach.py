@@ -124,7 +124,7 @@ def _window(fd: int) -> "tuple[int, int] | None":
     return size.lines, size.columns
 
 
-def run(line: RunLine, path: str) -> int:
+def run(line: RunLine, path: "str | http.Endpoint") -> int:
     """Run the command in the crew (module docstring); its exit code, or one of exits.py's."""
     tty_fd = next((fd for fd in (0, 1) if line.tty and os.isatty(fd)), None)
     size = _window(tty_fd) if tty_fd is not None else None

@@ -37,7 +37,7 @@ def _query(**params: object) -> str:
 
 
 class AdminClient:
-    def __init__(self, path: str, timeout: float | None = 600.0) -> None:
+    def __init__(self, path: str | http.Endpoint, timeout: float | None = 600.0) -> None:
         self.path = path
         self.timeout = timeout
 

@@ -3,7 +3,8 @@
 Why generated here rather than by a library: shtab writes bash and zsh but not fish, and
 argcomplete runs the Python CLI on every Tab (~100 ms). Walking the parser once gives every
 command path with its subcommands and options; each shell gets a small static table of those,
-plus crew names (from `appliancectl crew ls -o name`) where a command takes a crew.
+plus crew names (from `appliancectl crew ls -o name`) where a command takes a crew, and context
+names (`appliancectl context ls -o name`) after `--context` and where a command takes one.
 
     bash:  source <(appliancectl completion bash)      (or into /etc/bash_completion.d/)
     zsh:   source <(appliancectl completion zsh)       (bash completion through bashcompinit)
@@ -22,6 +23,15 @@ from .output import Output
 SHELLS = ("bash", "zsh", "fish")
 # Command paths whose first positional is a crew's name.
 CREW_COMMANDS = frozenset({"crew show", "crew allow", "crew rm", "run", "cred grant"})
+# Command paths whose first positional is a context's name (docs/hosts.md).
+CONTEXT_COMMANDS = frozenset({"context use", "context show", "context rm", "context remove"})
+
+
+def _names(path: str) -> str:
+    """What `appliancectl NOUN ls -o name` lists for a positional of this command path."""
+    if path in CREW_COMMANDS:
+        return "crew"
+    return "context" if path in CONTEXT_COMMANDS else ""
 
 
 class Node:
@@ -62,9 +72,9 @@ def bash(parser: argparse.ArgumentParser) -> str:
     cases = []
     for node in tree(parser):
         words = " ".join([*node.commands, *node.options])
-        crews = "1" if node.path in CREW_COMMANDS else "0"
+        names = _names(node.path)
         cases.append(
-            f"        {shlex.quote(node.path or '-')}) words={shlex.quote(words)}; crews={crews} ;;"
+            f"        {shlex.quote(node.path or '-')}) words={shlex.quote(words)}; names={names} ;;"
         )
     table = "\n".join(cases)
     return f"""# appliancectl completion for bash (appliancectl completion bash)
@@ -72,8 +82,12 @@ _appliancectl() {{
     # zsh runs this through bashcompinit, which fills COMP_WORDS as a zsh array (1-based) but
     # COMP_CWORD as bash counts (0-based): index as bash does.
     [[ -n ${{ZSH_VERSION-}} ]] && setopt localoptions ksharrays
-    local cur path word words crews i
+    local cur path word words names i
     cur=${{COMP_WORDS[COMP_CWORD]}}
+    if ((COMP_CWORD > 1)) && [[ ${{COMP_WORDS[COMP_CWORD - 1]}} == --context ]]; then
+        COMPREPLY=($(compgen -W "$(appliancectl context ls -o name 2>/dev/null)" -- "$cur"))
+        return 0
+    fi
     path=""
     for ((i = 1; i < COMP_CWORD; i++)); do
         word=${{COMP_WORDS[i]}}
@@ -86,10 +100,10 @@ _appliancectl() {{
     done
     case "${{path:--}}" in
 {table}
-        *) words=""; crews=0 ;;
+        *) words=""; names="" ;;
     esac
-    if [[ $cur != -* && $crews == 1 ]]; then
-        words="$words $(appliancectl crew ls -o name 2>/dev/null)"
+    if [[ $cur != -* && -n $names ]]; then
+        words="$words $(appliancectl "$names" ls -o name 2>/dev/null)"
     fi
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }}
@@ -146,11 +160,14 @@ def fish(parser: argparse.ArgumentParser) -> str:
             )
         for option in node.options:
             lines.append(f"complete -c appliancectl -n {shlex.quote(condition)} -l {option[2:]}")
-        if node.path in CREW_COMMANDS:
+        if names := _names(node.path):
             lines.append(
                 f"complete -c appliancectl -n {shlex.quote(condition)} "
-                "-a '(appliancectl crew ls -o name 2>/dev/null)'"
+                f"-a '(appliancectl {names} ls -o name 2>/dev/null)'"
             )
+    lines.append(
+        "complete -c appliancectl -l context -x -a '(appliancectl context ls -o name 2>/dev/null)'"
+    )
     return "\n".join(lines) + "\n"
 
 

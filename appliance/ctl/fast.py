@@ -21,8 +21,9 @@ know, to the full CLI unchanged, so there is one behaviour:
 
 The full CLI's `run` calls `run()` below too: one client for both (tests/test_cli.py holds the
 two entry points to the same bytes and exit codes). The admin socket: --socket, else
-$APPLIANCECTL_SOCKET, else the default when no config file is there; with --config or a config
-file, the full CLI reads it.
+$APPLIANCECTL_SOCKET, else the default when no config file is there and no context is chosen
+(--context, $APPLIANCE_CONTEXT, a current context: docs/hosts.md); otherwise the full CLI
+resolves it.
 
 The session itself: attach.py.
 
@@ -34,7 +35,7 @@ CLI needs site-packages; `_full_cli` runs `site.main()` for it.
 import os
 import sys
 
-from . import exits, http
+from . import exits, http, tinyjson
 from .attach import RunLine, error, run
 
 DEFAULT_CONFIG = "/etc/agent-appliance/appliance.toml"
@@ -83,12 +84,35 @@ def parse_run(arguments: "list[str]") -> RunLine | None:
     return line
 
 
+def _no_current_context() -> bool:
+    """True when the user's context store (contexts.py) names no current context: absent, or
+    `current` empty or "default". Anything else, a store that cannot be read included, is the
+    full CLI's to resolve (or to report)."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    if not base.startswith("/"):
+        base = os.path.expanduser("~") + "/.config"
+    try:
+        with open(base + "/agent-appliance/contexts.json", "rb") as file:
+            document = tinyjson.loads(file.read())
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, tinyjson.NotJSON):
+        return False
+    return isinstance(document, dict) and document.get("current", "") in ("", "default")
+
+
 def socket_path(line: RunLine) -> str | None:
+    """The local socket, when the command line, the environment and the context store all say
+    this host; None: the full CLI decides (a context, a config file)."""
     if line.socket:
         return line.socket
+    if os.environ.get("APPLIANCE_CONTEXT"):
+        return None
     env = os.environ.get("APPLIANCECTL_SOCKET")
     if env:
         return env
+    if not _no_current_context():
+        return None
     if os.path.exists(DEFAULT_CONFIG):
         return None  # the config names the socket: the full CLI reads it
     return http.DEFAULT_ADMIN_SOCKET

@@ -21,12 +21,46 @@ from . import tinyjson
 TYPE_CHECKING = False  # typing's, without importing typing (~3 ms); mypy reads the name
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from typing import Any
 
 DEFAULT_ADMIN_SOCKET = "/run/agent-appliance/admin.sock"
 MAX_HEAD = 64 * 1024  # status line and headers together
 MAX_BODY = 64 * 1024 * 1024  # a whole JSON answer (`crew ls` of many crews is far less)
 MAX_CHUNK_LINE = 4096
 RECV = 65536
+
+
+class Endpoint:
+    """Where the admin API answers when it is not a Unix socket path: a transport that yields a
+    connected socket (blocking, with recv/sendall/close/fileno; an ssl.SSLSocket for a TLS
+    context, appliance/ctl/transport.py). A plain `str` is a Unix socket path, the local case,
+    so the fast path never builds one of these."""
+
+    label = ""
+    # Appended to a failure after the connect: what this transport's likely causes are.
+    hint = ""
+
+    def connect(self, timeout: float | None) -> "Any":
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def connect(where: "str | Endpoint", timeout: float | None) -> "Any":
+    """A connected socket to the admin API: a Unix socket path, or an Endpoint's own transport.
+    `Unreachable` (naming where) when nothing answers."""
+    if not isinstance(where, str):
+        return where.connect(timeout)
+    sock = _unix_socket(AF_UNIX, SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(where)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise Unreachable(f"applianced is not answering on {where}: {why}") from None
+    return sock
 
 
 class Unreachable(Exception):
@@ -50,7 +84,7 @@ class ProtocolError(Exception):
 class Response:
     """An answer's status and headers; its body read as a whole, or as lines as they arrive."""
 
-    def __init__(self, sock: _unix_socket) -> None:
+    def __init__(self, sock: "Any") -> None:
         self.sock = sock
         self.buffer = b""
         self.status = 0
@@ -178,7 +212,7 @@ def error_of(raw: bytes) -> tuple[str, str]:
 
 
 def request(
-    path: str,
+    path: "str | Endpoint",
     method: str,
     target: str,
     body: bytes | None = None,
@@ -187,15 +221,9 @@ def request(
     timeout: float | None = None,
 ) -> Response:
     """Connect, send one request, read the answer's head. `Unreachable` if nothing answers or
-    the answer is not HTTP; `AdminError` for an error status (its body read and closed)."""
-    sock = _unix_socket(AF_UNIX, SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(path)
-    except OSError as exc:
-        sock.close()
-        why = exc.strerror or str(exc) or type(exc).__name__
-        raise Unreachable(f"applianced is not answering on {path}: {why}") from None
+    the answer is not HTTP; `AdminError` for an error status (its body read and closed).
+    `path`: the Unix socket's path, or an Endpoint (a context's TLS listener)."""
+    sock = connect(path, timeout)
     head = f"{method} {target} HTTP/1.1\r\nHost: applianced\r\n"
     head += "".join(f"{name}: {value}\r\n" for name, value in headers)
     if body is not None:
@@ -206,7 +234,8 @@ def request(
         response.read_head()
     except (OSError, ProtocolError) as exc:
         sock.close()
-        raise Unreachable(f"applianced on {path}: {exc}") from None
+        hint = "" if isinstance(path, str) else path.hint
+        raise Unreachable(f"applianced on {path}: {exc}{hint}") from None
     if response.status >= 400:
         try:
             raw = response.body()

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from . import (
     completion,
     context,
+    contexts,
     cred,
     crew,
     doctor,
@@ -71,6 +72,12 @@ def _leaf(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help=f"appliance config (default {context.DEFAULT_CONFIG})",
     )
+    parser.add_argument(
+        "--context",
+        default=argparse.SUPPRESS,
+        help="the applianced to talk to (default: $APPLIANCE_CONTEXT, the current context, this "
+        "host's; docs/hosts.md)",
+    )
     return parser
 
 
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--socket", default=None, help="applianced's admin socket")
     parser.add_argument("--config", default=None, help="appliance config file")
+    parser.add_argument("--context", default=None, help="the applianced to talk to (docs/hosts.md)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     status.add_parsers(commands, _leaf, _watchable)
     doctor.add_parsers(commands, _leaf)
@@ -108,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     journal.add_parsers(commands, _leaf)
     events.add_parsers(commands, _leaf)
     net.add_parsers(commands, _leaf)
+    contexts.add_parsers(commands, _leaf)
     proxy.add_parsers(commands)
     completion.add_parsers(commands)
     parser.set_defaults(root_parser=parser)  # what `completion` walks
@@ -124,6 +133,7 @@ def split_run(arguments: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     out = Output()
+    args: argparse.Namespace | None = None
     try:
         parser = build_parser()
         arguments, command = split_run(list(sys.argv[1:] if argv is None else argv))
@@ -157,14 +167,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except context.CtlError as exc:
         return out.error(exc.message, exc.code, kind=exc.kind)
     except Exception as exc:
-        return _failed(exc, out)
+        return _failed(exc, out, getattr(args, "_context_name", None))
 
 
-def _failed(exc: Exception, out: Output) -> int:
+def _failed(exc: Exception, out: Output, context_name: str | None = None) -> int:
     from .http import AdminError, Unreachable
 
     if isinstance(exc, Unreachable):
-        return out.error(str(exc), exits.UNREACHABLE, kind="unreachable")
+        # Which host it was, when a context chose it (docs/hosts.md).
+        where = f"context {context_name}: " if context_name else ""
+        return out.error(where + str(exc), exits.UNREACHABLE, kind="unreachable")
     if isinstance(exc, AdminError):
         # A journal that does not verify (a prune refused, 409 `tampered`) is exit 6, whatever
         # the status that carried it.

@@ -21,7 +21,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     line = RunLine()
     line.as_json, line.timeout, line.name = out.as_json, args.timeout, args.name
     line.interactive, line.tty, line.argv = args.interactive, args.tty, list(args.argv)
-    return run(line, context.socket_path(args))
+    return run(line, context.endpoint(args))
 
 
 def add_parsers(commands: Any, leaf: Any) -> None:

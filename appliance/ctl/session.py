@@ -92,6 +92,12 @@ class Session:
             ready, self._ready = self._ready, []
             return ready
         data = self.sock.recv(http.RECV)
+        # A TLS socket may hold decrypted bytes past what one recv returned; poll(2) on its
+        # descriptor cannot see them, so take them now or the loop would wait on the network
+        # for what is already here (ssl.SSLSocket.pending, Python's ssl module docs).
+        pending = getattr(self.sock, "pending", None)
+        while data and pending is not None and pending() > 0:
+            data += self.sock.recv(pending())
         if not data:
             self.closed = True
             if self._reader.pending:
@@ -136,7 +142,7 @@ class Session:
 
 
 def open_session(
-    path: str,
+    path: "str | http.Endpoint",
     crew: str,
     body: bytes,
     *,

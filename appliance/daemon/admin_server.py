@@ -3,8 +3,10 @@ to the handlers of api.py.
 
 The socket is created 0600 under a 0700 directory, and every connection's peer credentials
 (SO_PEERCRED) must be root or applianced's own user: file modes are the first gate, the kernel's
-word the second. Each request's log records carry a request id and the crew it names; a client
-that goes away mid-answer is one INFO line, never an error.
+word the second. With `[admin_tls] listen`, the same API also answers on TCP over mutual TLS
+(admin_tls.py), where the client's certificate is the gate. Each request's log records carry
+a request id and the crew it names; a client that goes away mid-answer is one INFO line, never
+an error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import struct
 import urllib.parse
 import uuid
@@ -24,8 +27,9 @@ import trio
 from proxycore import logs
 
 from . import messages
+from .admin_tls import HANDSHAKE_TIMEOUT, peer_subject, server_context
 from .api import HEAD_TIMEOUT, MAX_BODY, Handlers, Request, _Reply, route
-from .errors import DaemonError, InvalidRequest
+from .errors import DaemonError, InvalidRequest, Unavailable
 
 if TYPE_CHECKING:
     from .main import Daemon
@@ -69,15 +73,72 @@ class AdminServer:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
+    async def serve_tls(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The same API on host:port over mutual TLS (admin_tls.py); started with the bound
+        port. The client's certificate, checked in the handshake, stands in for SO_PEERCRED."""
+        context = server_context(self.daemon.config.admin_tls)
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise Unavailable(
+                f"`admin_tls.listen`: cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        bound = listeners[0].socket.getsockname()[1]
+        log.info(
+            "admin API over mutual TLS on %s",
+            f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}",
+        )
+        task_status.started(bound)
+
+        async def handler(stream: trio.SocketStream) -> None:
+            await self._tls_connection(stream, context)
+
+        await trio.serve_listeners(handler, listeners)
+
+    async def _tls_connection(self, stream: trio.SocketStream, context: ssl.SSLContext) -> None:
+        # Whatever a network peer does must end its connection, never the listener (an
+        # exception here would end serve_listeners and the daemon with it).
+        try:
+            await self._tls_session(stream, context)
+        except Exception as exc:
+            log.warning("admin TLS connection ended: %s: %s", type(exc).__name__, exc)
+            with contextlib.suppress(Exception):
+                await trio.aclose_forcefully(stream)
+
+    async def _tls_session(self, stream: trio.SocketStream, context: ssl.SSLContext) -> None:
+        peer = stream.socket.getpeername()
+        address = f"{peer[0]}:{peer[1]}"
+        # https_compatible: a client that closes without close_notify (Python's ssl does) ends
+        # its request like EOF; every answer is delimited by HTTP itself (RFC 9112, 9.8).
+        tls = trio.SSLStream(stream, context, server_side=True, https_compatible=True)
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await tls.do_handshake()
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            why = exc.__cause__ or exc
+            log.warning("refused an admin TLS connection from %s: %s", address, why)
+            with contextlib.suppress(*_CLIENT_GONE):
+                await stream.aclose()
+            return
+        subject = peer_subject(tls.getpeercert())
+        log.info("admin TLS connection from %s as %s", address, subject)
+        await self._serve(tls)
+
     async def _connection(self, stream: trio.SocketStream) -> None:
+        creds = stream.socket.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+        )
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid not in (0, os.geteuid()):
+            log.warning("refused an admin connection from uid %d", uid)
+            await stream.aclose()
+            return
+        await self._serve(stream)
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
         async with stream:
-            creds = stream.socket.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-            )
-            _, uid, _ = struct.unpack("3i", creds)
-            if uid not in (0, os.geteuid()):
-                log.warning("refused an admin connection from uid %d", uid)
-                return
             conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
             try:
                 with trio.fail_after(HEAD_TIMEOUT):
@@ -102,7 +163,7 @@ class AdminServer:
         split: urllib.parse.SplitResult,
         request: h11.Request,
         body: bytes,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         conn: h11.Connection,
     ) -> None:
         try:
@@ -140,14 +201,14 @@ class AdminServer:
         return messages.ErrorBody(error=exc.code, message=str(exc))
 
     async def _read_request(
-        self, stream: trio.SocketStream, conn: h11.Connection
+        self, stream: trio.abc.Stream, conn: h11.Connection
     ) -> tuple[h11.Request | None, bytes]:
         request: h11.Request | None = None
         body = bytearray()
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                data = await stream.receive_some(65536)
+                data = bytes(await stream.receive_some(65536))
                 conn.receive_data(data)
                 if not data and request is None:
                     return None, b""
@@ -165,7 +226,7 @@ class AdminServer:
             elif event is h11.PAUSED:
                 return request, bytes(body)
 
-    async def _send(self, stream: trio.SocketStream, conn: h11.Connection, reply: _Reply) -> None:
+    async def _send(self, stream: trio.abc.Stream, conn: h11.Connection, reply: _Reply) -> None:
         data = messages.encoder.encode(reply.body)
         headers = [
             ("Content-Type", "application/json"),

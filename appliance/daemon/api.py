@@ -117,7 +117,7 @@ class Request:
     params: dict[str, str]  # the pattern's {name} segments, decoded
     query: dict[str, list[str]]
     body: bytes
-    stream: trio.SocketStream
+    stream: trio.abc.Stream
     conn: h11.Connection
     headers: dict[str, str]
 

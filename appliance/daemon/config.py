@@ -11,6 +11,7 @@ Unknown keys and bad values are errors naming the key (`ConfigInvalid`), as in
     [credentials]  the credential store's file and key source (docs/credentials.md)
     [metrics]  the Prometheus metrics' optional TCP listener (they are always on the admin
                socket)
+    [admin_tls]  the admin API's optional TCP listener, mutual TLS (off by default)
     [proxy]    what the proxy core takes from its own config file except crews, listeners and
                control (applianced supplies those): limits, providers, upstream, events, scrub,
                policy
@@ -159,6 +160,18 @@ class MetricsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = ""
 
 
+class AdminTlsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # The admin API over TCP with mutual TLS, for `appliancectl --context` from another machine
+    # (docs/hosts.md). "" (the default): no such listener, the admin socket alone. Otherwise
+    # "ADDRESS:PORT" (an IP address: nothing is resolved at start), TLS 1.3 only (RFC 8446),
+    # and every client must present a certificate that `client_ca_file` signed: whoever holds
+    # one is an administrator of this appliance, as root on the admin socket is.
+    listen: str = ""
+    cert_file: str = ""  # the daemon's certificate chain (PEM), leaf first
+    key_file: str = ""  # its private key (PEM); keep it 0600 root
+    client_ca_file: str = ""  # the CA(s) whose client certificates are admitted (PEM)
+
+
 class JournalSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Retention (docs/journal.md, "Retention"): entries older than keep_days, and the oldest
     # entries while journal.db is over keep_bytes, are removed behind a signed checkpoint every
@@ -185,6 +198,7 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keeper: GatekeeperConfig = GatekeeperConfig()
     metrics: MetricsSection = MetricsSection()
     journal: JournalSection = JournalSection()
+    admin_tls: AdminTlsSection = AdminTlsSection()
 
     @property
     def max_cpus(self) -> float:
@@ -286,6 +300,17 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
             metrics_address(config.metrics.listen)
         except ValueError as exc:
             raise fail("metrics.listen", str(exc)) from None
+    tls = config.admin_tls
+    if tls.listen:
+        try:
+            metrics_address(tls.listen)
+        except ValueError as exc:
+            raise fail("admin_tls.listen", str(exc)) from None
+        for key in ("cert_file", "key_file", "client_ca_file"):
+            if not getattr(tls, key):
+                raise fail(f"admin_tls.{key}", "required with admin_tls.listen")
+            if not os.path.isabs(getattr(tls, key)):
+                raise fail(f"admin_tls.{key}", "must be an absolute path")
     if daemon.instance is not None:
         try:
             check_instance_id(daemon.instance)

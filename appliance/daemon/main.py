@@ -319,7 +319,11 @@ class Daemon:
                         await self.crews.keep_pool()
 
                 nursery.start_soon(keep_pool)
-                await nursery.start(AdminServer(self).serve, self.config.daemon.admin_socket)
+                admin = AdminServer(self)
+                await nursery.start(admin.serve, self.config.daemon.admin_socket)
+                if self.config.admin_tls.listen:
+                    host, port = metrics_address(self.config.admin_tls.listen)
+                    await nursery.start(admin.serve_tls, host, port)
                 if self.config.metrics.listen:
                     host, port = metrics_address(self.config.metrics.listen)
                     await nursery.start(serve_metrics, self.metrics, host, port)

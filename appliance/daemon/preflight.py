@@ -112,6 +112,7 @@ def run_preflight(
         )
     _credentials(config, found)
     _ca_file(config, found)
+    _admin_tls(config, found)
     if provider is None:
         found.problem(
             "daemon.provider",
@@ -173,6 +174,18 @@ def _ca_file(config: ApplianceConfig, found: _Collect) -> None:
         found.problem("proxy.upstream.ca_file", f"{path} is not a PEM CA bundle: {exc.reason}")
     except OSError as exc:
         found.problem("proxy.upstream.ca_file", f"cannot read {path}: {exc.strerror or exc}")
+
+
+def _admin_tls(config: ApplianceConfig, found: _Collect) -> None:
+    if not config.admin_tls.listen:
+        return
+    from .admin_tls import TlsSetupError, server_context
+
+    found.checked.append("the admin TLS listener's certificate, key and client CA")
+    try:
+        server_context(config.admin_tls)
+    except TlsSetupError as exc:
+        found.problem(exc.key, exc.reason)
 
 
 def _runtime(config: ApplianceConfig, provider: RuntimeProvider, found: _Collect) -> None:

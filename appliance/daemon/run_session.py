@@ -47,7 +47,7 @@ async def serve_run(
     daemon: Daemon,
     name: str,
     run: messages.RunCommand,
-    stream: trio.SocketStream,
+    stream: trio.abc.Stream,
     conn: h11.Connection,
 ) -> None:
     provider = daemon.provider
@@ -70,7 +70,7 @@ async def serve_run(
 
 
 class _Session:
-    def __init__(self, stream: trio.SocketStream, attached: bool) -> None:
+    def __init__(self, stream: trio.abc.Stream, attached: bool) -> None:
         self.stream = stream
         self.attached = attached
         # The client's input, queued until the exec's input side exists (ExecAttached).
@@ -156,7 +156,7 @@ class _Session:
                             return
                     if self.attached:
                         await self.control_send.send((kind, payload))
-                data = await self.stream.receive_some(65536)
+                data = bytes(await self.stream.receive_some(65536))
                 if not data:
                     # Expected (Ctrl-C, a killed appliancectl): not an error, and the command
                     # must not outlive its client.
