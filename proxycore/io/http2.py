@@ -238,7 +238,10 @@ class H2Session:
                 return  # the reader sees the broken socket and ends the session
 
     def kick(self) -> None:
-        self.dirty.set()
+        """Wake the writer if anything is queued: a stream that ended with its frames already
+        written (most do) costs the writer no scheduling round of its own."""
+        if self.server.pending:
+            self.dirty.set()
 
     async def batched(self) -> None:
         """A stream queued frames that may wait for the writer's next round: wake it, or write

@@ -277,7 +277,10 @@ class H2Upstream:
                 return
 
     def kick(self) -> None:
-        self.dirty.set()
+        """Wake the writer if anything is queued (a read that queued no acknowledgement or
+        PING answer, or a stream that ended, costs the writer no scheduling round)."""
+        if self.client.pending:
+            self.dirty.set()
 
     def batched(self) -> None:
         """A stream queued frames that may wait for the writer's next round (a request head
