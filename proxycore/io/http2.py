@@ -215,8 +215,15 @@ class H2Session:
             await self.flush()
             if server.closed and not self.pipes:
                 return "agent_goaway"
+            # A read that did not fill the buffer drained the socket: the next waits for the
+            # client first instead of a recv that fails with EAGAIN (in a request/response rhythm
+            # the client is waiting for our answer and has not written yet).
+            drained = 0 < len(data) < RECV_SIZE
             with trio.move_on_after(idle) as scope:
-                data = await sock.receive(RECV_SIZE)
+                if drained:
+                    data = await sock.receive_after_wait(RECV_SIZE)
+                else:
+                    data = await sock.receive(RECV_SIZE)
             if scope.cancelled_caught:
                 data = b""  # nothing new arrived (never the last input again)
                 if self.pipes:
@@ -238,7 +245,10 @@ class H2Session:
                 return  # the reader sees the broken socket and ends the session
 
     def kick(self) -> None:
-        self.dirty.set()
+        """Wake the writer if anything is queued: a stream that ended with its frames already
+        written (most do) costs the writer no scheduling round of its own."""
+        if self.server.pending:
+            self.dirty.set()
 
     async def batched(self) -> None:
         """A stream queued frames that may wait for the writer's next round: wake it, or write
@@ -249,28 +259,37 @@ class H2Session:
             self.kick()
 
     async def flush(self) -> None:
-        """Write what h2 queued. The lock is held only while a write waits for the client: taken
-        without a checkpoint (trio's `async with lock` yields while holding it, which made every
-        other stream wait a scheduling round, and took a round itself)."""
+        """Write what h2 queued. The lock is held only while a write waits for the client; while
+        none does (the lock is free) the kernel takes the bytes at once and no lock is taken at
+        all (nothing awaits in between, so the order holds). Taken without a checkpoint (trio's
+        `async with lock` yields while holding it, which made every other stream wait a
+        scheduling round, and took a round itself)."""
         lock = self.lock
-        try:
-            lock.acquire_nowait()
-        except trio.WouldBlock:
-            await lock.acquire()
-        try:
-            await self.send_locked()
-        finally:
-            lock.release()
+        if lock.locked():
+            await lock.acquire()  # after the write that waits (the order of frames holds)
+            try:
+                rest = self._send_now()
+                if rest:
+                    await self._send_rest(rest)
+            finally:
+                lock.release()
+            return
+        rest = self._send_now()
+        if rest:
+            lock.acquire_nowait()  # free: nothing awaited since it was checked
+            try:
+                await self._send_rest(rest)
+            finally:
+                lock.release()
 
-    async def send_locked(self) -> None:
-        """Write what h2 queued (the caller holds the lock). A client that reads nothing for
-        `read_timeout` ends the connection."""
+    def _send_now(self) -> bytes:
+        """Hand what h2 queued to the kernel without waiting; returns what it did not take (the
+        caller holds the lock, or no write is waiting for the client)."""
         if self.dead:
             raise trio.BrokenResourceError("the connection is broken")
         data = self.server.data_to_send()
         if not data:
-            return
-        # The common case first: the kernel takes it all now (no scope, no wait).
+            return b""
         try:
             sent = self.sock.sock.send(data)
         except BlockingIOError:
@@ -278,9 +297,11 @@ class H2Session:
         except OSError as exc:
             self._die()
             raise trio.BrokenResourceError(str(exc)) from None
-        if sent == len(data):
-            return
-        data = data[sent:]
+        return data[sent:]
+
+    async def _send_rest(self, data: bytes) -> None:
+        """Write what the kernel did not take at once (the caller holds the lock). A client that
+        reads nothing for `read_timeout` ends the connection."""
         # Shielded: a frame cut in the middle (a stream's exchange cancelled while it writes)
         # would break the connection for every stream.
         with trio.CancelScope(shield=True):

@@ -248,13 +248,20 @@ class H2Upstream:
     async def _read_loop(self) -> str:
         stream = self.link.stream
         client = self.client
+        drained = False
         while True:
             try:
-                data = await stream.receive(RECV_SIZE)
+                # After a read that did not fill the buffer (the socket drained) wait for the
+                # upstream first instead of a recv that fails with EAGAIN.
+                if drained:
+                    data = await stream.receive_after_wait(RECV_SIZE)
+                else:
+                    data = await stream.receive(RECV_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 return f"upstream connection broken: {exc}"
             if not data:
                 return "upstream closed the connection"
+            drained = len(data) < RECV_SIZE
             try:
                 events = client.receive_data(data, time.monotonic())
             except Http2ConnectionError as exc:
@@ -277,7 +284,10 @@ class H2Upstream:
                 return
 
     def kick(self) -> None:
-        self.dirty.set()
+        """Wake the writer if anything is queued (a read that queued no acknowledgement or
+        PING answer, or a stream that ended, costs the writer no scheduling round)."""
+        if self.client.pending:
+            self.dirty.set()
 
     def batched(self) -> None:
         """A stream queued frames that may wait for the writer's next round (a request head
@@ -286,39 +296,50 @@ class H2Upstream:
         self.dirty.set()
 
     async def flush(self) -> None:
-        """Write what h2 queued. The lock is taken without a checkpoint when free (trio's
-        `async with lock` yields while holding it, making every other stream wait a round)."""
+        """Write what h2 queued. The lock is held only while a write waits for the upstream;
+        while none does (the lock is free) a cleartext socket takes the bytes at once and no
+        lock is taken at all (nothing awaits in between, so the order holds). Taken without a
+        checkpoint (trio's `async with lock` yields while holding it, making every other stream
+        wait a round)."""
         lock = self.lock
-        try:
-            lock.acquire_nowait()
-        except trio.WouldBlock:
-            await lock.acquire()
-        try:
-            await self.send_locked()
-        finally:
-            lock.release()
+        if lock.locked():
+            await lock.acquire()  # after the write that waits (the order of frames holds)
+            try:
+                rest = self._send_now()
+                if rest:
+                    await self._send_rest(rest)
+            finally:
+                lock.release()
+            return
+        rest = self._send_now()
+        if rest:
+            lock.acquire_nowait()  # free: nothing awaited since it was checked
+            try:
+                await self._send_rest(rest)
+            finally:
+                lock.release()
 
-    async def send_locked(self) -> None:
-        """Write what h2 queued (the caller holds the lock); an upstream that reads nothing
-        for `write_timeout` ends the connection."""
+    def _send_now(self) -> bytes:
+        """Hand what h2 queued to a cleartext socket without waiting; returns what it did not
+        take (all of it over TLS). The caller holds the lock, or no write is waiting."""
         if self.broken is not None:
             raise trio.BrokenResourceError(self.broken)
         data = self.client.data_to_send()
-        if not data:
-            return
         sock = self.sock
-        if sock is not None:
-            # The common case first: the kernel takes it all now (no scope, no wait).
-            try:
-                sent = sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                self.shut(f"upstream connection broken: {exc}")
-                raise trio.BrokenResourceError(self.broken) from None
-            if sent == len(data):
-                return
-            data = data[sent:]
+        if not data or sock is None:
+            return data
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self.shut(f"upstream connection broken: {exc}")
+            raise trio.BrokenResourceError(self.broken) from None
+        return data[sent:]
+
+    async def _send_rest(self, data: bytes) -> None:
+        """Write what the socket did not take at once (the caller holds the lock); an upstream
+        that reads nothing for `write_timeout` ends the connection."""
         # Shielded: a frame cut in the middle would break every stream of the connection.
         with trio.CancelScope(shield=True):
             with trio.move_on_after(self.pool.write_timeout) as scope:
