@@ -95,9 +95,10 @@ def socket_path(line: RunLine) -> str | None:
 
 
 def _full_cli() -> int:
-    if sys.flags.no_site:
+    if sys.flags.no_site and not getattr(sys, "frozen", False):
         # Started without site (module docstring): the full CLI needs site-packages. The tree
-        # this package is in comes first, so `appliance.ctl.main` is this checkout's.
+        # this package is in comes first, so `appliance.ctl.main` is this checkout's. The
+        # artifact (appliance/entry.py) has no site-packages: everything is in it.
         import site
 
         site.main()

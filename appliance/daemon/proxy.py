@@ -41,7 +41,6 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -49,6 +48,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from appliance.entry import self_command
 from appliance.logs import WorkerLog, worker_level
 from native.scrub import Scrubber
 from proxycore import control
@@ -148,7 +148,7 @@ class ProxyPool:
         events_reader: EventsReader | None = None,
         restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
         on_exit: ExitHook | None = None,
-        python: str = sys.executable,
+        python: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
@@ -156,7 +156,9 @@ class ProxyPool:
         self.port = port
         self.drop_to = drop_to
         self.events_reader = events_reader
-        # The interpreter that runs `-m proxycore.worker`, and its environment (None: ours).
+        # The interpreter that runs `-m proxycore.worker` (None: ours; in the artifact, its own
+        # executable with the `proxy-worker` subcommand, appliance/entry.py), and its
+        # environment (None: ours).
         self.python = python
         self.env = env
         self.workers = [_Worker(index) for index in range(workers)]
@@ -211,9 +213,7 @@ class ProxyPool:
 
     def _argv(self, worker: _Worker, control_fd: int, events_fd: int) -> list[str]:
         argv = [
-            self.python,
-            "-m",
-            "proxycore.worker",
+            *self_command("proxycore.worker", python=self.python),
             "--config",
             str(self.config_path),
             "--control-fd",
