@@ -42,7 +42,7 @@ import random
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -150,6 +150,7 @@ class ProxyPool:
         on_exit: ExitHook | None = None,
         python: str | None = None,
         env: Mapping[str, str] | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
         self.config = config
@@ -158,8 +159,10 @@ class ProxyPool:
         self.events_reader = events_reader
         # The interpreter that runs `-m proxycore.worker` (None: ours; in the artifact, its own
         # executable with the `proxy-worker` subcommand, appliance/entry.py), and its
-        # environment (None: ours).
+        # environment (None: ours). `command` replaces the whole command line before the
+        # worker's options (a test runs the artifact's `proxy-worker` under this pool).
         self.python = python
+        self.command = None if command is None else list(command)
         self.env = env
         self.workers = [_Worker(index) for index in range(workers)]
         self.crews: dict[str, CrewEntry] = {}
@@ -213,7 +216,7 @@ class ProxyPool:
 
     def _argv(self, worker: _Worker, control_fd: int, events_fd: int) -> list[str]:
         argv = [
-            *self_command("proxycore.worker", python=self.python),
+            *(self.command or self_command("proxycore.worker", python=self.python)),
             "--config",
             str(self.config_path),
             "--control-fd",
