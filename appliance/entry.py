@@ -49,6 +49,22 @@ def self_command(module: str, *, python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", module]
 
 
+def _environment_for_children() -> None:
+    """In the artifact: PyInstaller's bootloader has pointed LD_LIBRARY_PATH at the artifact's
+    libraries (keeping an operator's own in LD_LIBRARY_PATH_ORIG) and left its _PYI_* variables.
+    The loader read LD_LIBRARY_PATH when this process started, so what it has loaded and will
+    load stays the artifact's; the programs applianced runs (nft, ip, dockerd, debootstrap) get
+    the host's libraries back, and a process of the artifact started from here (a worker, a
+    detached applianced) boots afresh rather than as the child of a bootloader
+    (PYINSTALLER_RESET_ENVIRONMENT, PyInstaller's documented switch)."""
+    original = os.environ.pop("LD_LIBRARY_PATH_ORIG", None)
+    if original is None:
+        os.environ.pop("LD_LIBRARY_PATH", None)
+    else:
+        os.environ["LD_LIBRARY_PATH"] = original
+    os.environ["PYINSTALLER_RESET_ENVIRONMENT"] = "1"
+
+
 def _run(name: str, argv: list[str]) -> int:
     # argparse names the program after argv[0]: the command the operator typed.
     sys.argv = [name, *argv]
@@ -67,6 +83,8 @@ def _run(name: str, argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv if argv is None else argv)
+    if frozen():
+        _environment_for_children()
     called = os.path.basename(arguments[0]) if arguments else PROGRAM
     if called in SUBCOMMANDS:
         return _run(called, arguments[1:])

@@ -120,7 +120,7 @@ def private_copy(app: Path, directory: Path) -> Path:
 
 def hidden_env(*argv: str) -> list[str]:
     """argv run where no Python is (`hide_python`), with an empty environment but PATH."""
-    return [*hide_python(), "env", "-i", "PATH=/usr/bin:/bin", *argv]
+    return [*hide_python(), "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", *argv]
 
 
 # Runs "$@" after an empty read-only file system (or /dev/null, for a file) is mounted over every
