@@ -13,9 +13,10 @@ host are empty, with an empty environment but PATH:
 - the worker's preload finds in the artifact every module it finds in a virtualenv (a module
   the freeze left out would be skipped silently by the preload and refused at first use);
 - with a Docker engine, the whole demo (`appliancectl demo`: applianced, its workers as UID
-  1002, a hardened crew, the journal) from the artifact, about 15 s.
+  1002, a hardened crew, the journal) from the artifact, about 10 s.
 
-The module takes about 25 s with the artifact cached, plus the build when the sources changed.
+The module takes about 12 s with the artifact cached, plus the build (35-55 s) when the sources
+changed.
 """
 
 from __future__ import annotations
