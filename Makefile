@@ -21,7 +21,7 @@ NATIVE_SRC := $(wildcard native/src/*.c native/src/*.h) native/_build_headscan.p
 	native/_build_scrub.py
 NATIVE_LIB := native/.built
 
-.PHONY: demo setup engine images test install native native-sanitize lint types unit fuzz-smoke bench clean
+.PHONY: demo setup engine images test install native native-sanitize lint types unit fuzz-smoke bench clean dist wheel-check
 
 install: $(VENV)/.installed $(NATIVE_LIB)
 
@@ -105,8 +105,18 @@ fuzz-smoke: install
 		grep -E '^Done [0-9]+ runs' $$log; \
 	done
 
+# The artifact (docs/artifact.md): dist/agent-appliance/, one executable with its own Python, the
+# native modules and every dependency (applianced, appliancectl and the proxy workers), and its
+# tarball. PyPI only (PyInstaller and the dependencies, in a build virtualenv of its own).
+dist:
+	nice -n 10 scripts/dist dist
+
+# The wheel (cp311-abi3) built once, installed and run under every CPython 3.11 to 3.13 found.
+wheel-check:
+	nice -n 10 scripts/wheel-check
+
 bench: install
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build *.egg-info native/_*.so $(NATIVE_LIB)
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build dist *.egg-info native/_*.so $(NATIVE_LIB)

@@ -52,6 +52,7 @@ import msgspec
 
 from appliance.demo_tls import server_context
 from appliance.demo_upstream import FakeServer, start_fake
+from appliance.entry import self_command
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER
 from netns.addressing import naming
 
@@ -238,7 +239,7 @@ ifname_prefix = "{self.ifname_prefix}"
 
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "appliance.cli", "up", "--config", str(self.config_path)],
+                [*self_command("appliance.cli"), "up", "--config", str(self.config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -283,7 +284,7 @@ ifname_prefix = "{self.ifname_prefix}"
         if show:
             tour.say(f"$ appliancectl {shlex.join(args)}")
         done = subprocess.run(
-            [sys.executable, "-m", "appliance.cli", "--socket", str(self.socket), *args],
+            [*self_command("appliance.cli"), "--socket", str(self.socket), *args],
             capture_output=True,
             text=True,
             timeout=timeout,

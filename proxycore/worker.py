@@ -2,6 +2,9 @@
 
     python -m proxycore.worker --config PATH [--control-fd C] [--events-fd E]
         [--drop-to UID:GID] [--worker-index I] [--log-format text|json] [--log-level LEVEL]
+    python -m proxycore.worker --preload-check
+
+(In the artifact, `agent-appliance proxy-worker ...`: appliance/entry.py.)
 
 Theory of operation
 -------------------
@@ -38,6 +41,8 @@ own listeners and takes control messages on `[control] socket`.
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import logging
 import resource
 import signal
@@ -166,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m proxycore.worker", description="one proxy worker process"
     )
-    parser.add_argument("--config", required=True, help="TOML file, or applianced's JSON")
+    parser.add_argument("--config", help="TOML file, or applianced's JSON (required)")
     parser.add_argument(
         "--control-fd",
         type=int,
@@ -191,11 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-format", choices=logs.FORMATS, default="text", help="standard error's lines"
     )
     parser.add_argument("--log-level", choices=logs.LEVELS, default="info")
+    parser.add_argument(
+        "--preload-check",
+        action="store_true",
+        help="print (JSON) the codecs and the modules the pre-drop preload found and missed, "
+        "then exit: a frozen build (docs/artifact.md) must miss no more than a virtualenv",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.preload_check:
+        return _preload_check()
+    if args.config is None:
+        parser.error("the following arguments are required: --config")
     logs.configure(
         args.log_format, args.log_level, fields={"worker": args.worker_index}, excepthook=log.name
     )
@@ -229,6 +245,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(exc), EXIT_FAILURE)
     except KeyboardInterrupt:
         pass
+    return EXIT_OK
+
+
+def _preload_check() -> int:
+    found = preload.preload()
+    why: dict[str, str] = {}
+    for name in sorted(found.absent):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # the same failure again: say what it was
+            why[name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"codecs": sorted(found.codecs), "absent": why}))
     return EXIT_OK
 
 

@@ -6,8 +6,10 @@ a codec looked up on first use, a module imported inside a function -- failed th
 to `allowed.test.:443` was closed instead of refused, and a credential grant took every worker
 down. Here the workers run, under applianced's real ProxyPool (the real drop to UID 1002, crews'
 listeners bound by the parent, events read back), from a copy of the interpreter in a root-only
-directory, on any machine. They are driven through every refusal class, every injection path,
-keeper calls, control messages and credential grant, rotation and revocation, and then:
+directory, on any machine, and again as the artifact's `proxy-worker` (docs/artifact.md) from a
+root-only copy where no Python of the host is visible. They are driven through every refusal
+class, every injection path, keeper calls, control messages and credential grant, rotation and
+revocation, and then:
 
 - the workers are the ones that started (no restart, same pids);
 - no worker refused a late import (proxycore/preload.py names one on stderr) or printed a
@@ -39,6 +41,7 @@ from appliance.demo_upstream import FakeServer
 from appliance.keeper.channel import KeeperChannel, new_token
 from proxycore import control
 from proxycore.protocol.keeper import Action
+from tests.artifact_support import built_artifact, hidden_env, private_copy
 from tests.conftest import free_port
 from tests.worker_support import (
     WORKER_IDS,
@@ -129,6 +132,22 @@ def interpreter(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
     return python, env
 
 
+@pytest.fixture(scope="session", params=["interpreter", "artifact"])
+def worker_command(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[str], dict[str, str] | None]:
+    """The workers' command line and environment: `-m proxycore.worker` from the unreadable
+    interpreter, or the artifact's `proxy-worker` (docs/artifact.md) from a root-only copy, where
+    no Python of the host is visible (tests/artifact_support.py)."""
+    if request.param == "interpreter":
+        python, env = request.getfixturevalue("interpreter")
+        return [python, "-m", "proxycore.worker"], env
+    app = private_copy(built_artifact(), tmp_path_factory.mktemp("artifact"))
+    denied = as_worker_uid("cat", str(app / "agent-appliance"))
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
+    return hidden_env(str(app / "agent-appliance"), "proxy-worker"), None
+
+
 def _run_as_root(argv: list[str], env: dict[str, str]) -> str:
     import subprocess
 
@@ -149,7 +168,7 @@ def keeper_dir() -> Iterator[Path]:
 
 
 def test_workers_serve_every_path_without_reading_their_interpreter(
-    interpreter: tuple[str, dict[str, str]],
+    worker_command: tuple[list[str], dict[str, str] | None],
     tmp_path: Path,
     keeper_dir: Path,
     provider: FakeServer,
@@ -161,14 +180,16 @@ def test_workers_serve_every_path_without_reading_their_interpreter(
 ) -> None:
     # The workers' lines become applianced's log records (appliance/logs.py WorkerLog).
     caplog.set_level(logging.INFO)
-    python, env = interpreter
+    command, env = worker_command
     bad = RawUpstream(b"HTTP/1.1 2x0 Nope\r\nContent-Length: 0\r\n\r\n")
     silent = RawUpstream(None)
     closed = free_port()  # nothing listens there
     port = free_port()
     ports = {"bad": bad.port, "silent": silent.port, "closed": closed}
     config = pool_config(port, provider.port, ca_file, ports, per_crew=PER_CREW)
-    pool = ProxyPool(config, tmp_path, port, workers=2, drop_to=WORKER_IDS, python=python, env=env)
+    pool = ProxyPool(
+        config, tmp_path, port, workers=2, drop_to=WORKER_IDS, command=command, env=env
+    )
     credentials: dict[str, dict[str, str]] = {}
     pool.credentials_source = lambda: credentials
     service = StubKeeperService()

@@ -119,9 +119,10 @@ def socket_path(line: RunLine) -> str | None:
 
 
 def _full_cli() -> int:
-    if sys.flags.no_site:
+    if sys.flags.no_site and not getattr(sys, "frozen", False):
         # Started without site (module docstring): the full CLI needs site-packages. The tree
-        # this package is in comes first, so `appliance.ctl.main` is this checkout's.
+        # this package is in comes first, so `appliance.ctl.main` is this checkout's. The
+        # artifact (appliance/entry.py) has no site-packages: everything is in it.
         import site
 
         site.main()
@@ -131,6 +132,13 @@ def _full_cli() -> int:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--version"]:
+        # What a host's tooling asks first (an artifact's smoke check, an upgrade's): the same
+        # line as the full CLI's argparse prints, without importing it (about 50 ms here).
+        from appliance._version import __version__
+
+        sys.stdout.write(f"appliancectl {__version__}\n")
+        return 0
     line = parse_run(sys.argv[1:])
     path = socket_path(line) if line is not None else None
     if line is None or path is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -115,7 +114,9 @@ def _up_detached(args: argparse.Namespace, config: Any, out: Output) -> int:
     state_dir = Path(config.daemon.state_dir)
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = Path(args.log) if args.log else state_dir / "applianced.log"
-    command = [sys.executable, "-m", "appliance.cli", "up"]
+    from appliance.entry import self_command
+
+    command = [*self_command("appliance.cli"), "up"]
     if args.config:
         command += ["--config", str(args.config)]
     for flag, value in (("--log-format", args.log_format), ("--log-level", args.log_level)):

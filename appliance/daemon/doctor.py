@@ -342,7 +342,8 @@ def _uids(pid: str) -> list[int]:
 
 
 def _is_worker(pid: str) -> bool:
-    """A proxy worker: started by a root process as `proxycore.worker ... --drop-to`."""
+    """A proxy worker: started by a root process as `proxycore.worker ... --drop-to` (in the
+    artifact, `agent-appliance proxy-worker ... --drop-to`: appliance/entry.py)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as file:
             argv = file.read().split(b"\0")
@@ -350,7 +351,8 @@ def _is_worker(pid: str) -> bool:
             parent = file.read().rsplit(")", 1)[1].split()[1]
     except (OSError, IndexError):
         return False
-    return b"proxycore.worker" in argv and b"--drop-to" in argv and _uids(parent)[:1] == [0]
+    named = b"proxycore.worker" in argv or argv[1:2] == [b"proxy-worker"]
+    return named and b"--drop-to" in argv and _uids(parent)[:1] == [0]
 
 
 def _proxy_identity(config: ApplianceConfig) -> Check:

@@ -41,14 +41,14 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
 import trio
 
+from appliance.entry import self_command
 from appliance.logs import WorkerLog, worker_level
 from native.scrub import Scrubber
 from proxycore import control
@@ -148,16 +148,21 @@ class ProxyPool:
         events_reader: EventsReader | None = None,
         restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY,
         on_exit: ExitHook | None = None,
-        python: str = sys.executable,
+        python: str | None = None,
         env: Mapping[str, str] | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
         self.config = config
         self.port = port
         self.drop_to = drop_to
         self.events_reader = events_reader
-        # The interpreter that runs `-m proxycore.worker`, and its environment (None: ours).
+        # The interpreter that runs `-m proxycore.worker` (None: ours; in the artifact, its own
+        # executable with the `proxy-worker` subcommand, appliance/entry.py), and its
+        # environment (None: ours). `command` replaces the whole command line before the
+        # worker's options (a test runs the artifact's `proxy-worker` under this pool).
         self.python = python
+        self.command = None if command is None else list(command)
         self.env = env
         self.workers = [_Worker(index) for index in range(workers)]
         self.crews: dict[str, CrewEntry] = {}
@@ -211,9 +216,7 @@ class ProxyPool:
 
     def _argv(self, worker: _Worker, control_fd: int, events_fd: int) -> list[str]:
         argv = [
-            self.python,
-            "-m",
-            "proxycore.worker",
+            *(self.command or self_command("proxycore.worker", python=self.python)),
             "--config",
             str(self.config_path),
             "--control-fd",
