@@ -52,8 +52,8 @@ import msgspec
 
 from appliance.demo_tls import server_context
 from appliance.demo_upstream import FakeServer, start_fake
-from appliance.entry import self_command
 from appliance.runtime.base import AGENT_KEY_PLACEHOLDER
+from appliance.selfexec import self_command
 from netns.addressing import naming
 
 ROOT = Path(__file__).resolve().parents[1]

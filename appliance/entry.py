@@ -11,7 +11,7 @@ docs/artifact.md) into one directory whose executable, `agent-appliance`, starts
 
 A frozen program has no `python -m`: whatever the project used to start as `python -m MODULE`
 (applianced's workers, `appliancectl up --detach`, the demo's daemon and CLI) asks
-`self_command(MODULE)` for its command line instead, which is `[sys.executable, "-m", MODULE]`
+`self_command(MODULE)` (appliance/selfexec.py) for its command line instead, which is `[sys.executable, "-m", MODULE]`
 from a source tree or a virtualenv and `[sys.executable, SUBCOMMAND]` in the artifact: the same
 files run every process, and no process of the artifact needs a Python on the host.
 
@@ -25,28 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-# Each subcommand and the module that `python -m` runs for it outside the artifact.
-SUBCOMMANDS: dict[str, str] = {
-    "applianced": "appliance.daemon.main",
-    "appliancectl": "appliance.cli",
-    "proxy-worker": "proxycore.worker",
-}
-MODULES: dict[str, str] = {module: name for name, module in SUBCOMMANDS.items()}
-PROGRAM = "agent-appliance"
-
-
-def frozen() -> bool:
-    """True in the artifact (PyInstaller sets `sys.frozen`)."""
-    return bool(getattr(sys, "frozen", False))
-
-
-def self_command(module: str, *, python: str | None = None) -> list[str]:
-    """The command line that runs `module` as a program of this install: `python -m module`,
-    or the artifact's own executable with the module's subcommand. `python` replaces the
-    interpreter (a test's other Python) and is honoured only outside the artifact."""
-    if frozen():
-        return [sys.executable, MODULES[module]]
-    return [python or sys.executable, "-m", module]
+from appliance.selfexec import PROGRAM, SUBCOMMANDS, frozen
 
 
 def _environment_for_children() -> None:

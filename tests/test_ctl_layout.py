@@ -125,6 +125,7 @@ def test_the_run_fast_path_imports_only_dependency_free_modules() -> None:
         "appliance.ctl.tinyjson",
         "appliance.ctl.exits",
         "appliance.daemon.framing",
+        "appliance._version",  # `--version` answered without the full CLI
         "appliance.ctl.main",  # the fallback to the full CLI, imported only then
     }
     assert graph["appliance.ctl.fast"] <= allowed

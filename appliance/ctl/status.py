@@ -114,7 +114,7 @@ def _up_detached(args: argparse.Namespace, config: Any, out: Output) -> int:
     state_dir = Path(config.daemon.state_dir)
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = Path(args.log) if args.log else state_dir / "applianced.log"
-    from appliance.entry import self_command
+    from appliance.selfexec import self_command
 
     command = [*self_command("appliance.cli"), "up"]
     if args.config:

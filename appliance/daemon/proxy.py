@@ -48,8 +48,8 @@ from pathlib import Path
 import msgspec
 import trio
 
-from appliance.entry import self_command
 from appliance.logs import WorkerLog, worker_level
+from appliance.selfexec import self_command
 from native.scrub import Scrubber
 from proxycore import control
 from proxycore.config import ProxyConfig
