@@ -11,9 +11,10 @@ docs/artifact.md) into one directory whose executable, `agent-appliance`, starts
 
 A frozen program has no `python -m`: whatever the project used to start as `python -m MODULE`
 (applianced's workers, `appliancectl up --detach`, the demo's daemon and CLI) asks
-`self_command(MODULE)` (appliance/selfexec.py) for its command line instead, which is `[sys.executable, "-m", MODULE]`
-from a source tree or a virtualenv and `[sys.executable, SUBCOMMAND]` in the artifact: the same
-files run every process, and no process of the artifact needs a Python on the host.
+`self_command(MODULE)` (appliance/selfexec.py) for its command line instead, which is
+`[sys.executable, "-m", MODULE]` from a source tree or a virtualenv and
+`[sys.executable, SUBCOMMAND]` in the artifact: the same files run every process, and no
+process of the artifact needs a Python on the host.
 
 The dispatch imports nothing but the command it runs, so `appliancectl --version` costs what it
 costs from a virtualenv, plus the bootloader.
