@@ -44,6 +44,7 @@ import trio
 
 from proxycore.errors import Http2ConnectionError
 from proxycore.io.h2_stream import StreamPipe
+from proxycore.io.h2_writer import OrderedWriter
 from proxycore.io.progress import RECV_SIZE
 from proxycore.io.websocket_h2 import WebSocketPipe, stream_head
 from proxycore.protocol import http1
@@ -149,7 +150,7 @@ async def serve_http2_upgrade(
     return True
 
 
-class H2Session:
+class H2Session(OrderedWriter):
     """One HTTP/2 connection from an agent (see the module docstring)."""
 
     def __init__(self, conn: ClientConnection) -> None:
@@ -257,30 +258,6 @@ class H2Session:
             await self.flush()  # alone (nothing to batch with), or too much queued
         else:
             self.kick()
-
-    async def flush(self) -> None:
-        """Write what h2 queued. The lock is held only while a write waits for the client; while
-        none does (the lock is free) the kernel takes the bytes at once and no lock is taken at
-        all (nothing awaits in between, so the order holds). Taken without a checkpoint (trio's
-        `async with lock` yields while holding it, which made every other stream wait a
-        scheduling round, and took a round itself)."""
-        lock = self.lock
-        if lock.locked():
-            await lock.acquire()  # after the write that waits (the order of frames holds)
-            try:
-                rest = self._send_now()
-                if rest:
-                    await self._send_rest(rest)
-            finally:
-                lock.release()
-            return
-        rest = self._send_now()
-        if rest:
-            lock.acquire_nowait()  # free: nothing awaited since it was checked
-            try:
-                await self._send_rest(rest)
-            finally:
-                lock.release()
 
     def _send_now(self) -> bytes:
         """Hand what h2 queued to the kernel without waiting; returns what it did not take (the

@@ -49,6 +49,7 @@ import trio
 
 from proxycore.errors import Http2ConnectionError
 from proxycore.io.fastio import PlainStream
+from proxycore.io.h2_writer import OrderedWriter
 from proxycore.io.progress import RECV_SIZE
 from proxycore.io.upstream import PoolKey, UpstreamConnection
 from proxycore.io.upstream_h2_stream import H2Stream
@@ -173,7 +174,7 @@ class H2Pool:
         self.connections.clear()
 
 
-class H2Upstream:
+class H2Upstream(OrderedWriter):
     """One HTTP/2 connection to an upstream (see the module docstring)."""
 
     def __init__(self, pool: H2Pool, link: UpstreamConnection) -> None:
@@ -294,30 +295,6 @@ class H2Upstream:
         whose answer the stream now awaits): wake the writer, which sends what the streams
         queued in the same round with one write."""
         self.dirty.set()
-
-    async def flush(self) -> None:
-        """Write what h2 queued. The lock is held only while a write waits for the upstream;
-        while none does (the lock is free) a cleartext socket takes the bytes at once and no
-        lock is taken at all (nothing awaits in between, so the order holds). Taken without a
-        checkpoint (trio's `async with lock` yields while holding it, making every other stream
-        wait a round)."""
-        lock = self.lock
-        if lock.locked():
-            await lock.acquire()  # after the write that waits (the order of frames holds)
-            try:
-                rest = self._send_now()
-                if rest:
-                    await self._send_rest(rest)
-            finally:
-                lock.release()
-            return
-        rest = self._send_now()
-        if rest:
-            lock.acquire_nowait()  # free: nothing awaited since it was checked
-            try:
-                await self._send_rest(rest)
-            finally:
-                lock.release()
 
     def _send_now(self) -> bytes:
         """Hand what h2 queued to a cleartext socket without waiting; returns what it did not
