@@ -429,8 +429,11 @@ class H2Endpoint:
                 return cached
         table = self._decoder.header_table
         entries = table.dynamic_entries
+        # Every change to the table shows in these: an insertion makes a new newest entry, an
+        # eviction or a clearing shortens it, a size update changes maxsize (its size in bytes
+        # follows from the entries).
         newest = entries[0] if entries else None
-        before = (len(entries), table._current_size, table.maxsize)
+        before = (len(entries), table.maxsize)
         try:
             fields: Fields = tuple(self._decoder.decode(block, raw=True))
         except OversizedHeaderListError as exc:
@@ -444,7 +447,6 @@ class H2Endpoint:
         entries = table.dynamic_entries
         if (entries[0] if entries else None) is not newest or before != (
             len(entries),
-            table._current_size,
             table.maxsize,
         ):
             cache.clear()
