@@ -274,8 +274,8 @@ class StreamPipe(PlainStream):
     async def _headers(
         self, status: int, fields: list[tuple[bytes, bytes]], *, end: bool, flush: bool = True
     ) -> None:
-        # h2's state changes at once (no await); what it queued goes out in order, with the
-        # writer's next round (a whole response) or now (`flush`).
+        # The endpoint's state changes at once (no await); what it queued goes out in order, with
+        # the writer's next round (a whole response) or now (`flush`).
         session = self._session
         if not session.server.send_headers(self.stream_id, status, fields, end=end):
             raise trio.BrokenResourceError(self.broken or "stream closed by the agent")

@@ -6,7 +6,7 @@ Theory of operation
 preface (prior knowledge, RFC 9113 3.3). `H2Session` then owns the socket: one task reads it
 and feeds the sans-IO `H2Server` (proxycore/protocol/http2), which enforces the connection's
 limits (an attack ends the connection with GOAWAY and a `request_refused` event, route
-"connection", naming the rule); every write goes through one lock, so what h2 queued goes out
+"connection", naming the rule); every write goes through one lock, so its queued frames go out
 in order and never piles up: a stream queues one frame and writes it before the next. The
 frames that end a response (its last DATA, or a head with END_STREAM) are only queued and the
 writer task is woken: it writes everything the streams queued in the same scheduling round
@@ -260,7 +260,7 @@ class H2Session(OrderedWriter):
             self.kick()
 
     def _send_now(self) -> bytes:
-        """Hand what h2 queued to the kernel without waiting; returns what it did not take (the
+        """Hand the queued frames to the kernel without waiting; returns what it did not take (the
         caller holds the lock, or no write is waiting for the client)."""
         if self.dead:
             raise trio.BrokenResourceError("the connection is broken")

@@ -6,7 +6,7 @@ The dialer (proxycore/io/upstream.py) offers ALPN ["h2", "http/1.1"] on TLS; whe
 picks h2 (or a cleartext upstream is reached with prior knowledge, h2c: docs/proxy.md says
 when), `H2Pool.adopt` takes the connection over: an `H2Upstream` owns its socket, one task
 reads it and feeds the sans-IO `H2Client` (proxycore/protocol/http2/client.py), another writes
-what h2 queued; every write goes through one lock. A request head is only queued and the writer
+its queued frames; every write goes through one lock. A request head is only queued and the writer
 woken: the heads the streams open in one scheduling round go out with one write; a body's DATA
 is written by its stream (backpressure: it waits for the upstream).
 
@@ -297,7 +297,7 @@ class H2Upstream(OrderedWriter):
         self.dirty.set()
 
     def _send_now(self) -> bytes:
-        """Hand what h2 queued to a cleartext socket without waiting; returns what it did not
+        """Hand what H2Client queued to a cleartext socket without waiting; returns what it did not
         take (all of it over TLS). The caller holds the lock, or no write is waiting."""
         if self.broken is not None:
             raise trio.BrokenResourceError(self.broken)

@@ -108,7 +108,7 @@ class H2Stream:
     def _open(self, fields: list[tuple[bytes, bytes]]) -> None:
         connection = self.connection
         end = self._request is not None and self._request.done
-        # h2's state changes at once (no await): the stream's identifier is the next one
+        # The endpoint's state changes at once (no await): the stream's identifier is the next one
         # whoever writes the queue; the writer's next round sends the heads the streams opened
         # in this round with one write (a body's first DATA sends it sooner, `_send_body`).
         if connection.broken is not None or not connection.client.can_open_now():
