@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,8 +80,70 @@ def built_artifact() -> Path:
         (out / "built").write_text(f"{time.monotonic() - started:.1f} s\n{done.stdout}")
         # Older sources' artifacts: one is enough to keep.
         for old in CACHE.iterdir():
-            if old.is_dir() and old != out and not old.name.startswith("venv-"):
+            if old.is_dir() and old != out and not old.name.startswith(("venv-", "upgrade-")):
                 shutil.rmtree(old, ignore_errors=True)
+        return app
+
+
+def tarball(app: Path) -> Path:
+    """The tarball `scripts/dist` packed beside the artifact's directory."""
+    (found,) = app.parent.glob("agent-appliance-*-linux-*.tar.gz")
+    return found
+
+
+_TOP_LEVEL_SKIPPED = {".git", ".venv", "build", "dist", "tests", "bench", "fuzz", "node_modules"}
+_SKIPPED = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info", ".*_cache")
+
+
+def _not_built_from(directory: str, names: list[str]) -> set[str]:
+    skipped = set(_SKIPPED(directory, names))
+    if Path(directory) == ROOT:
+        skipped |= _TOP_LEVEL_SKIPPED & set(names)
+    return skipped
+
+
+def upgrade_artifact() -> Path:
+    """An artifact one version newer than this tree's (`+upgrade.test`, a PEP 440 local version,
+    sorts after it), built from a copy of the tree, for the provisioning test's upgrade. Cached
+    like built_artifact(), under its own name (about 30 s to build)."""
+    from appliance._version import __version__
+
+    version = f"{__version__}+upgrade.test"
+    out = CACHE / f"upgrade-{source_hash()}"
+    app = out / "agent-appliance"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (app / "agent-appliance").is_file() and (out / "built").is_file():
+            return app
+        for old in CACHE.glob("upgrade-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="upgrade-tree-") as work:
+            tree = Path(work) / "tree"
+            # The checkout as it is (uncommitted changes too), less what is not built from.
+            shutil.copytree(ROOT, tree, symlinks=True, ignore=_not_built_from)
+            version_file = tree / "appliance" / "_version.py"
+            version_file.write_text(
+                version_file.read_text().replace(
+                    f'__version__ = "{__version__}"', f'__version__ = "{version}"'
+                )
+            )
+            python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+            env = {
+                **os.environ,
+                "DIST_PYTHON": base_python(),
+                "DIST_VENV": str(CACHE / f"venv-{python_version}"),
+            }
+            done = subprocess.run(
+                ["nice", "-n", "10", str(tree / "scripts" / "dist"), str(out)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+        if done.returncode != 0:
+            raise AssertionError(f"scripts/dist failed:\n{done.stdout}\n{done.stderr[-4000:]}")
+        (out / "built").write_text(done.stdout)
         return app
 
 

@@ -1,16 +1,15 @@
-"""ansible/: the role and playbook that provision a dedicated Debian host, checked for real.
+"""ansible/: the collection's roles and playbook, checked without a host.
 
 Nothing here touches this machine's /etc, services or users:
 
 - the syntax check and ansible-lint read the playbook only;
 - the templates are rendered by ansible's own template module into a temporary directory, then
-  the config is parsed by applianced's parser and the unit checked by `systemd-analyze verify`;
-- the role itself runs inside a throwaway container of the project's agent image (Debian 12 with
-  python3), with no network, against that container's own root (`-c local` inside it), twice:
-  the second run must change nothing. ansible-core comes from this venv, mounted read-only.
-  What cannot run there is skipped by tag: `packages` (apt needs the archive: no network) and
-  `install` (pip needs PyPI); the `service` tag runs but starts nothing (no systemd in the
-  container), which is the role's own rule.
+  the config is parsed by applianced's parser and the unit checked by `systemd-analyze verify`
+  and `systemd-analyze security`;
+- the roles' argument specs are checked by running the play in check mode with only the
+  `always` tasks selected: a bad variable stops it at the validation, before any task.
+
+tests/test_provision.py runs the roles for real, on a systemd-booted Debian machine.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from pathlib import Path
 import pytest
 
 from appliance.daemon.config import parse_config
-from tests.conftest import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSIBLE_DIR = ROOT / "ansible"
@@ -75,7 +73,7 @@ def test_ansible_lint_production_profile() -> None:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The role's two templates rendered by ansible with the role's defaults, into a temporary
-    directory; appliance_venv points at this venv so that ExecStart names a real appliancectl."""
+    directory; appliance_bin_dir points at this venv so that ExecStart names a real applianced."""
     return _render(tmp_path_factory.mktemp("rendered"))
 
 
@@ -112,7 +110,7 @@ def _render(out: Path, *extra_vars: str) -> Path:
             "-c",
             "local",
             "-e",
-            f"appliance_venv={sys.prefix}",
+            f"appliance_bin_dir={sys.prefix}/bin",
             "-e",
             f"ansible_python_interpreter={sys.executable}",
             *(arg for var in extra_vars for arg in ("-e", var)),
@@ -255,110 +253,35 @@ def test_rendered_unit_exposure(rendered: Path) -> None:
         assert any(line.startswith(f"\u2713 {held}") for line in proc.stdout.splitlines()), held
 
 
-def _agent_image() -> str:
-    from images.build import ensure_images
-
-    return ensure_images().agent
-
-
-@pytest.mark.docker
-def test_role_in_a_container_is_idempotent(tmp_path: Path) -> None:
-    docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip(needs("Docker", "the docker CLI is not installed"))
-    image = _agent_image()
-    (tmp_path / "inventory.ini").write_text(
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        # No artifact: the one variable without a default.
+        ({}, "appliance_artifact"),
+        ({"appliance_artifact": "/x.tar.gz", "appliance_proxy_uid": "one"}, "appliance_proxy_uid"),
+        ({"appliance_artifact": "/x.tar.gz", "docker_host_audit": "perhaps"}, "docker_host_audit"),
+    ],
+)
+def test_argument_specs_refuse_bad_variables_before_any_task(
+    tmp_path: Path, variables: dict[str, object], named: str
+) -> None:
+    """meta/argument_specs.yml of each role: the play stops at the role's validation, naming
+    the variable. `--tags` selects no task of the roles (only the `always` ones run: the
+    validation and the platform check), and `--check` changes nothing anyway."""
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text(
         "[appliance]\n"
-        "localhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3\n"
+        f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"
     )
-    site_packages = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    play = (
-        "python3 /venv/bin/ansible-playbook -i /work/inventory.ini /src/ansible/site.yml"
-        " --skip-tags packages,install"
-    )
-    script = f"""
-set -eu
-mkdir -p /etc/docker
-printf '{{"log-level": "warn", "runtimes": {{"other": {{"path": "/usr/bin/other"}}}}}}' \
-    > /etc/docker/daemon.json
-{play} > /work/first.log 2>&1 || {{ cat /work/first.log; exit 1; }}
-{play} > /work/second.log 2>&1 || {{ cat /work/second.log; exit 1; }}
-getent passwd appliance-proxy > /work/passwd
-getent group appliance-proxy > /work/group
-cp /etc/docker/daemon.json /work/daemon.json
-cp /etc/agent-appliance/appliance.toml /work/appliance.toml
-stat -c '%a %U:%G' /etc/agent-appliance/appliance.toml /etc/agent-appliance \
-    /var/lib/agent-appliance > /work/modes
-cp /etc/systemd/system/applianced.service /work/applianced.service
-chmod -R a+r /work
-"""
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "LC_ALL": "C.UTF-8"}
     proc = subprocess.run(
         [
-            docker,
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "--user",
-            "0:0",
-            "--entrypoint",
-            "/bin/sh",
-            "-e",
-            f"PYTHONPATH=/venv/lib/{site_packages.name}/site-packages",
-            "-e",
-            "LC_ALL=C.UTF-8",
-            "-e",
-            "ANSIBLE_NOCOLOR=1",
-            "-e",
-            "HOME=/root",
-            "-v",
-            f"{ROOT}:/src:ro",
-            "-v",
-            f"{sys.prefix}:/venv:ro",
-            "-v",
-            f"{tmp_path}:/work",
-            image,
-            "-c",
-            script,
+            _tool("ansible-playbook"), "-i", str(inventory), "--check",
+            "--tags", "no-such-tag", "-e", json.dumps(variables), "site.yml",
         ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-    first = (tmp_path / "first.log").read_text()
-    second = (tmp_path / "second.log").read_text()
-    assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=[1-9]", first), first
-    assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s+unreachable=0\s+failed=0", second), (
-        second
-    )
-    # No systemd in the container: the role says so and starts nothing.
-    assert "installed but not started" in first
-
-    user = (tmp_path / "passwd").read_text().strip().split(":")
-    assert user[0] == "appliance-proxy" and user[2:4] == ["1002", "1002"]
-    assert user[6] == "/usr/sbin/nologin"
-    assert (tmp_path / "group").read_text().split(":")[2] == "1002"
-
-    # Merged: the operator's keys stay, runsc is added with the verified runtime argument.
-    daemon = json.loads((tmp_path / "daemon.json").read_text())
-    assert daemon["log-level"] == "warn"
-    assert daemon["runtimes"]["other"] == {"path": "/usr/bin/other"}
-    assert daemon["runtimes"]["runsc"] == {
-        "path": "/usr/bin/runsc",
-        "runtimeArgs": ["--network=host"],
-    }
-
-    config = parse_config((tmp_path / "appliance.toml").read_text())
-    assert (config.proxy.uid, config.proxy.gid) == (1002, 1002)
-    assert (tmp_path / "modes").read_text().split("\n")[:3] == [
-        "600 root:root",
-        "700 root:root",
-        "700 root:root",
-    ]
-    assert (
-        "ExecStart=/opt/agent-appliance/bin/applianced --config"
-        in (tmp_path / "applianced.service").read_text()
-    )
+        cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "Validating arguments against arg spec" in out, out
+    assert named in out, out

@@ -206,3 +206,23 @@ def test_a_long_image_build_extends_the_start_timeout(
     extends = [line for line in lines if line.startswith("EXTEND_TIMEOUT_USEC=")]
     # 0.7 s of build, one every 0.2 s from the start: 4 (3 on a slow scheduler), then none.
     assert 3 <= len(extends) <= 5 and set(extends) == {"EXTEND_TIMEOUT_USEC=600000"}, lines
+
+
+def test_a_failed_image_build_is_reported_by_its_step(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`applianced --build-images` (the unit's ExecStartPre) names the step that failed and
+    why, not the nursery it failed in."""
+    from appliance.daemon import images
+    from appliance.daemon.config import parse_config
+    from images.build import BuildStepError
+
+    def failing_build(config: object) -> tuple[str, str]:
+        raise BuildStepError("npm pack", "exited 1", "is the npm registry reachable?")
+
+    monkeypatch.setattr(images, "resolve_images", failing_build)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert images.build_images_step(parse_config("", source="<test>")) == 1
+    err = capsys.readouterr().err
+    assert "npm pack" in err and "is the npm registry reachable?" in err, err
+    assert "Trio nursery" not in err and "sub-exception" not in err, err

@@ -63,8 +63,16 @@ async def resolve_images_notifying(config: ApplianceConfig, notifier: Notifier) 
 
         if notifier.enabled:
             nursery.start_soon(extend)
-        images = await trio.to_thread.run_sync(resolve_images, config)
+        # A build failure is raised after the nursery, as itself: raised inside it, it would
+        # come out wrapped in an ExceptionGroup whose message names no step.
+        failure: Exception | None = None
+        try:
+            images = await trio.to_thread.run_sync(resolve_images, config)
+        except Exception as exc:
+            failure = exc
         nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
     return images
 
 
