@@ -102,6 +102,7 @@ class Host:
     machine: Machine
     inventory: Path
     runs: list[Run] = field(default_factory=list)
+    exposure: float | None = None
 
     def ssh(self, command: str, timeout: float = 300, check: bool = True) -> str:
         return self.machine.exec("sh", "-c", command, timeout=timeout, check=check)
@@ -149,9 +150,11 @@ class Host:
         match = re.search(r"machine\s*:\s*((?:\w+=\d+\s*)+)", done.stdout)
         assert match, done.stdout[-3000:]
         recap = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", match.group(1))}
-        changed = re.findall(
-            r"TASK \[([^\]]+)\][^\n]*\n(?:[^\n]*\n)*?changed: \[machine\]", done.stdout
-        )
+        changed = [
+            block.split("]", 1)[0]
+            for block in re.split(r"^(?:TASK|RUNNING HANDLER) \[", done.stdout, flags=re.M)[1:]
+            if re.search(r"^changed: \[machine\]", block, flags=re.M)
+        ]
         run = Run(name, seconds, recap, changed, done.stdout)
         self.runs.append(run)
         return run
@@ -177,6 +180,10 @@ def _report(host: Host) -> str:
     for run in host.runs:
         recap = " ".join(f"{k}={v}" for k, v in run.recap.items())
         lines.append(f"{run.name}: {run.seconds:.0f} s, {recap}")
+        if run.changed_tasks and "check" not in run.name:
+            lines.append("    changed: " + "; ".join(run.changed_tasks))
+    if host.exposure is not None:
+        lines.append(f"systemd-analyze security applianced (running): {host.exposure}")
     return "\n".join(lines)
 
 
@@ -265,6 +272,24 @@ def test_first_run_provisions_the_machine(host: Host, artifacts: tuple[Path, Pat
     assert host.ssh("appliancectl --version").split()[-1] == __version__
     show = host.ssh("systemctl show applianced -p Type -p NoNewPrivileges -p ActiveState")
     assert "Type=notify" in show and "NoNewPrivileges=yes" in show, show
+    assert host.ssh("systemctl show -p WatchdogUSec --value applianced").strip() == "30s"
+    # systemd's own assessment of the running service's sandbox (docs/systemd.md: 3.7 offline,
+    # target at most 5.0).
+    security = host.ssh("systemd-analyze security --no-pager applianced", check=False)
+    found = re.search(r"Overall exposure level for applianced.service: (\d+\.\d)", security)
+    assert found is not None and float(found.group(1)) <= 5.0, security[-2000:]
+    host.exposure = float(found.group(1))
+    # The proxy workers under the unit: UID 1002, no capability at all, no_new_privs.
+    workers = host.ssh("pgrep -u 1002 -f proxy-worker").split()
+    assert workers, host.ssh("ps -ef")
+    for pid in workers:
+        status = dict(
+            line.split(":\t", 1)
+            for line in host.ssh(f"cat /proc/{pid}/status").splitlines()
+            if ":\t" in line
+        )
+        assert all(int(status[key], 16) == 0 for key in ("CapPrm", "CapEff", "CapBnd")), status
+        assert status["NoNewPrivs"].strip() == "1", status
 
 
 def test_a_restricted_crew_gets_its_key_injected(host: Host) -> None:
