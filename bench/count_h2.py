@@ -83,8 +83,8 @@ def h2load(service: Service, authority: str, level: str, streams: int) -> str:
     return output
 
 
-def counted(pid: int, out: Path, streams: int, run: object) -> int:
-    """Instructions the process ran while `run()` did."""
+def counted(pid: int, out: Path, run: object, keep: Path | None = None) -> int:
+    """Instructions the process ran while `run()` did (the dump copied into `keep`)."""
     subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
     before = set(out.parent.glob(out.name + "*"))
     run()  # type: ignore[operator]
@@ -97,6 +97,9 @@ def counted(pid: int, out: Path, streams: int, run: object) -> int:
                 r"^summary: (\d+)", text, re.M
             )
             if match:
+                if keep is not None:
+                    keep.mkdir(parents=True, exist_ok=True)
+                    (keep / path.name).write_text(text)
                 return int(match.group(1))
         time.sleep(0.5)
     raise RuntimeError("no callgrind dump appeared")
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", default="50x1,10x10,1x64", help="CxM, comma-separated")
     parser.add_argument("--legs", default="h1,h2c", help="upstream legs: h1, h2c")
     parser.add_argument("--streams", type=int, default=2000, help="streams counted per level")
+    parser.add_argument("--keep", type=Path, help="copy each callgrind dump into this directory")
     args = parser.parse_args(argv)
     common.raise_fd_limit()
     with Workspace(prefix="count-h2-") as ws:
@@ -122,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                 total = counted(
                     service.pid,
                     out,
-                    args.streams,
                     lambda level=level, authority=authority: h2load(
                         service, authority, level, args.streams
                     ),
+                    args.keep,
                 )
                 print(
                     f"{leg:4} {level:6} {args.streams} streams: {total:,} instructions, "
