@@ -293,6 +293,25 @@ def test_idle_timeout_runs_from_the_agents_last_frame(make_proxy, provider: Fake
         assert 0.5 < time.monotonic() - last < 3
 
 
+async def test_uploads_outlasting_the_idle_timeout_arrive_whole(
+    make_proxy, provider: FakeServer
+) -> None:
+    """Request bodies stream in on one connection for several idle timeouts: the idle
+    deadline passes while the reader is busy (full reads), and no read is lost to it."""
+    proxy = make_proxy(extra="[limits]\nidle_keepalive_timeout = 0.2\n")
+    body = b"z" * (1024 * 1024)
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+        started = time.monotonic()
+        sent = 0
+        while time.monotonic() - started < 1.5:
+            answer = await client.post(f"{proxy.url}/anthropic/echo", content=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["length"] == len(body)
+            sent += 1
+        assert answer.http_version == "HTTP/2"
+    assert sent >= 2
+
+
 async def test_whole_responses_go_out_as_status_and_fields(
     proxy: RunningProxy, plain_host: FakeServer
 ) -> None:

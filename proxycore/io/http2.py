@@ -234,7 +234,8 @@ class H2Session(OrderedWriter):
     async def _read_frames(self, data: bytes) -> str:
         """The reads of `_read_loop` while its deadline holds. A cancellation can only reach
         this at a wait: the flush of queued frames (which leaves them queued for the next one)
-        or the read (nothing read yet); what a read returned is handed over before either."""
+        or before a read (nothing read yet); what a read returned is handed over before
+        either."""
         server, sock = self.server, self.sock
         while True:
             if data:
@@ -252,11 +253,15 @@ class H2Session(OrderedWriter):
                 return "agent_goaway"
             # A read that did not fill the buffer drained the socket: the next waits for the
             # client first instead of a recv that fails with EAGAIN (in a request/response rhythm
-            # the client is waiting for our answer and has not written yet).
+            # the client is waiting for our answer and has not written yet). Otherwise a
+            # checkpoint (the other tasks' turn) comes before the read, never after it: the
+            # deadline's cancellation must not fall between a read and its handing over.
             if 0 < len(data) < RECV_SIZE:
                 data = await sock.receive_after_wait(RECV_SIZE)
             else:
-                data = await sock.receive(RECV_SIZE)
+                await trio.lowlevel.checkpoint()
+                got = sock.try_receive(RECV_SIZE)
+                data = got if got is not None else await sock.receive_after_wait(RECV_SIZE)
             if not data:
                 return "agent_closed"
 
