@@ -266,6 +266,52 @@ def test_idle_timeout_with_streams_in_flight_leaves_the_connection_alone(
         assert client.get(5, "/_appliance/health")[0] == 200
 
 
+def test_idle_timeout_runs_from_the_agents_last_frame(make_proxy, provider: FakeServer) -> None:
+    """An agent that keeps sending (each request well within the keep-alive timeout, the
+    whole exchange longer than it) keeps its connection; one that then says nothing gets a
+    GOAWAY (RFC 9113 6.8) and the connection closes."""
+    import h2.events
+
+    proxy = make_proxy(extra="[limits]\nidle_keepalive_timeout = 0.6\n")
+    with H2Client(proxy) as client:
+        started = time.monotonic()
+        stream_id = 1
+        while time.monotonic() - started < 1.5:
+            last = time.monotonic()
+            assert client.get(stream_id, "/_appliance/health")[0] == 200
+            stream_id += 2
+            time.sleep(0.25)
+        client.sock.settimeout(5)
+        goaway = False
+        while True:
+            data = client.sock.recv(65536)
+            if not data:
+                break
+            for event in client.h2.receive_data(data):
+                goaway = goaway or isinstance(event, h2.events.ConnectionTerminated)
+        assert goaway
+        assert 0.5 < time.monotonic() - last < 3
+
+
+async def test_uploads_outlasting_the_idle_timeout_arrive_whole(
+    make_proxy, provider: FakeServer
+) -> None:
+    """Request bodies stream in on one connection for several idle timeouts: the idle
+    deadline passes while the reader is busy (full reads), and no read is lost to it."""
+    proxy = make_proxy(extra="[limits]\nidle_keepalive_timeout = 0.2\n")
+    body = b"z" * (1024 * 1024)
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+        started = time.monotonic()
+        sent = 0
+        while time.monotonic() - started < 1.5:
+            answer = await client.post(f"{proxy.url}/anthropic/echo", content=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["length"] == len(body)
+            sent += 1
+        assert answer.http_version == "HTTP/2"
+    assert sent >= 2
+
+
 async def test_whole_responses_go_out_as_status_and_fields(
     proxy: RunningProxy, plain_host: FakeServer
 ) -> None:

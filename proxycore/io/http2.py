@@ -168,6 +168,7 @@ class H2Session(OrderedWriter):
         self.dead = False  # a write was cut mid-frame: nothing more may be written
         # Upgrade: h2c: the HTTP/1.1 request that asked, served as stream 1.
         self.upgraded: http1.RequestHead | None = None
+        self.heard = 0.0  # when the agent last sent something (the idle timeout runs from it)
 
     async def run(self) -> None:
         conn = self.conn
@@ -202,15 +203,49 @@ class H2Session(OrderedWriter):
             nursery.cancel_scope.cancel()
 
     async def _read_loop(self, data: bytes) -> str:
-        server, sock = self.server, self.sock
+        """Read the agent's frames until the connection ends; returns why it did.
+
+        The idle timeout (no frame from the agent for `idle_keepalive_timeout` while no stream
+        is open) is one cancel scope for many reads, not one per read: entering and leaving a
+        trio cancel scope cost about as much as a stream's HTTP/2 framing. The scope's deadline
+        is where the connection would be idle if nothing more arrived; when it passes, the time
+        of the last read decides: earlier reads (or open streams, which have their own
+        deadlines) arm the next scope; otherwise the connection is idle (GOAWAY, RFC 9113 6.8).
+        """
         idle = self.conn.limits.idle_keepalive_timeout
+        self.heard = time.monotonic()
+        while True:
+            # `heard` is on the endpoint's clock (time.monotonic), a deadline on trio's.
+            left = self.heard + idle - time.monotonic()
+            with trio.CancelScope(deadline=trio.current_time() + left) as scope:
+                why = await self._read_frames(data)
+            if not scope.cancelled_caught:
+                return why
+            # What was read before the deadline is already handed to the endpoint.
+            data = b""
+            now = time.monotonic()
+            if self.pipes:
+                self.heard = max(self.heard, now)  # the streams have their own deadlines
+            elif self.heard + idle <= now:
+                self.server.graceful_goaway()
+                await self.flush()
+                return "idle"
+
+    async def _read_frames(self, data: bytes) -> str:
+        """The reads of `_read_loop` while its deadline holds. A cancellation can only reach
+        this at a wait: the flush of queued frames (which leaves them queued for the next one)
+        or before a read (nothing read yet); what a read returned is handed over before
+        either."""
+        server, sock = self.server, self.sock
         while True:
             if data:
+                now = self.heard = time.monotonic()
                 try:
-                    events = server.receive_data(data, time.monotonic())
+                    events = server.receive_data(data, now)
                 except Http2ConnectionError as exc:
                     self._journal(exc)
-                    await self.flush()
+                    with trio.CancelScope(shield=True):
+                        await self.flush()  # the GOAWAY, whatever the deadline
                     return f"h2 connection error: {exc.rule}"
                 self._dispatch(events)
             await self.flush()
@@ -218,20 +253,15 @@ class H2Session(OrderedWriter):
                 return "agent_goaway"
             # A read that did not fill the buffer drained the socket: the next waits for the
             # client first instead of a recv that fails with EAGAIN (in a request/response rhythm
-            # the client is waiting for our answer and has not written yet).
-            drained = 0 < len(data) < RECV_SIZE
-            with trio.move_on_after(idle) as scope:
-                if drained:
-                    data = await sock.receive_after_wait(RECV_SIZE)
-                else:
-                    data = await sock.receive(RECV_SIZE)
-            if scope.cancelled_caught:
-                data = b""  # nothing new arrived (never the last input again)
-                if self.pipes:
-                    continue  # the streams have their own deadlines
-                server.graceful_goaway()
-                await self.flush()
-                return "idle"
+            # the client is waiting for our answer and has not written yet). Otherwise a
+            # checkpoint (the other tasks' turn) comes before the read, never after it: the
+            # deadline's cancellation must not fall between a read and its handing over.
+            if 0 < len(data) < RECV_SIZE:
+                data = await sock.receive_after_wait(RECV_SIZE)
+            else:
+                await trio.lowlevel.checkpoint()
+                got = sock.try_receive(RECV_SIZE)
+                data = got if got is not None else await sock.receive_after_wait(RECV_SIZE)
             if not data:
                 return "agent_closed"
 

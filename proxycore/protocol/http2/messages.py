@@ -33,7 +33,7 @@ from proxycore.protocol import http1
 from proxycore.protocol.http1.grammar import TOKEN
 from proxycore.protocol.http1.heads import split_fields
 from proxycore.protocol.http2.events import RequestReceived
-from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, FIELD_NAME, FIELD_VALUE
+from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, well_formed
 from proxycore.protocol.policy import normalize_host
 
 __all__ = ["MessageRefused", "decided_fields", "request_head", "response_fields"]
@@ -63,6 +63,28 @@ def _authority_host(authority: bytes) -> str:
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
+# Whether an :authority names the proxy itself (the gateway the connection arrived on), for the
+# authorities that come again and again: reading one costs more than the rest of the head.
+# Bounded, emptied when full; an authority carries no secret (userinfo is refused before).
+_OWN_LIMIT = 1024
+_own: dict[tuple[bytes, str], bool] = {}
+
+
+def _is_own(authority: bytes, gateway: str) -> bool:
+    key = (authority, gateway)
+    known = _own.get(key)
+    if known is not None:
+        return known
+    try:
+        own = normalize_host(_authority_host(authority)) == gateway
+    except PolicyDenied:
+        own = False
+    if len(_own) >= _OWN_LIMIT:
+        _own.clear()
+    _own[key] = own
+    return own
+
+
 def request_head(request: RequestReceived, gateway: str) -> bytes:
     """The stream's request as an HTTP/1.1 head (see the module docstring)."""
     if request.malformed:
@@ -82,11 +104,7 @@ def request_head(request: RequestReceived, gateway: str) -> bytes:
         raise MessageRefused(400, "bad_request", "bad :path")
     if not authority or not _TARGET_RE.fullmatch(authority) or b"@" in authority:
         raise MessageRefused(400, "bad_request", "bad or missing :authority")
-    try:
-        own = normalize_host(_authority_host(authority)) == gateway
-    except PolicyDenied:
-        own = False
-    if own:
+    if _is_own(authority, gateway):
         target = path
     else:
         scheme = request.scheme.lower() or b"http"
@@ -97,7 +115,7 @@ def request_head(request: RequestReceived, gateway: str) -> bytes:
     cookies: list[bytes] = []
     length: bytes | None = None
     for name, value in request.headers:
-        if not FIELD_NAME.fullmatch(name) or not FIELD_VALUE.fullmatch(value):
+        if not well_formed(name, value):
             # RFC 9113 8.2.1: uppercase names, CR, LF, NUL, surrounding whitespace: malformed.
             raise MessageRefused(400, "bad_request", "a header field HTTP/2 forbids")
         if name in CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):

@@ -37,14 +37,20 @@ _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 def request_fields(head: http1.RequestHead, *, tls: bool) -> list[tuple[bytes, bytes]]:
     """The request head as HTTP/2 fields, pseudo-headers first (see the module docstring)."""
-    authority = head.get(b"host") or b""
+    authority: bytes | None = None
+    rest: list[tuple[bytes, bytes]] = []
+    for name, value in head.headers:  # one pass: the first Host is the :authority
+        if name not in _REQUEST_DROP:
+            rest.append((name, value))
+        elif name == b"host" and authority is None:
+            authority = value
     fields = [
         (b":method", head.method),
         (b":scheme", b"https" if tls else b"http"),
-        (b":authority", authority),
+        (b":authority", authority or b""),
         (b":path", head.target),
     ]
-    fields += [(name, value) for name, value in head.headers if name not in _REQUEST_DROP]
+    fields += rest
     fields.append((b"te", b"trailers"))
     return fields
 
