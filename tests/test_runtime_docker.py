@@ -863,3 +863,62 @@ def test_a_sandbox_whose_container_is_gone_is_killed_and_a_live_one_is_not(  # t
     finally:
         stray.kill()
         provider.remove_crew(crew)
+
+
+def test_another_pid_namespaces_shims_are_not_ours() -> None:
+    """A Docker engine in a container (nested dockerd, a CI runner's, a test machine's) has
+    shims that /proc shows here, naming container ids this engine does not know. Reconciliation
+    kills strays of this engine only: such a shim, in another PID namespace with its parents, is
+    not reported (killing it once broke a test machine's image build); the same process in this
+    namespace is."""
+    from appliance.runtime.docker import runtime_processes
+
+    fake_id = "ab" * 32
+    # A process whose command line is a moby shim's: argv[0] and `moby` and a 64-hex id.
+    shim = f"exec -a containerd-shim-runc-v2 tail -F -- /dev/null moby {fake_id}"
+    here = subprocess.Popen(["bash", "-c", shim], stderr=subprocess.DEVNULL)
+    # There: not the namespace's init but its child, as a nested engine's shim is (its parent,
+    # the nested init or containerd, is in that namespace too).
+    there = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            "bash",
+            "-c",
+            f"{shim} & wait",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # Both running, as /proc shows them, before asking.
+        deadline = time.monotonic() + 10
+        while len(_fake_shims(fake_id)) < 2:
+            assert time.monotonic() < deadline, _fake_shims(fake_id)
+            time.sleep(0.05)
+        assert here.pid in _fake_shims(fake_id)
+        pids = {p.pid for p in runtime_processes() if p.container_id == fake_id}
+        assert pids == {here.pid}, (pids, _fake_shims(fake_id))
+    finally:
+        for process in (here, there):
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _fake_shims(fake_id: str) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            cmdline = _cmdline(entry)
+            if cmdline.startswith(b"containerd-shim") and fake_id.encode() in cmdline:
+                found.add(int(entry.name))
+    return found
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -855,13 +855,47 @@ def _cgroups_hybrid(info: dict[str, Any]) -> bool:
 _CONTAINER_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
 
 
+def _pid_namespace(pid: int | str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _parent(pid: int | str) -> str | None:
+    try:
+        # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces and parentheses.
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def _of_this_pid_namespace(pid: str, ours: str | None) -> bool:
+    """Whether a process belongs to the engine of this PID namespace: it lives in it, or its
+    parent does (a gVisor sandbox is pid 1 of a namespace of its own, its parent is ours).
+
+    /proc shows every process of the host, including those of another Docker engine running in a
+    container (a nested dockerd, a CI runner's, a test machine's): their shims and sandboxes
+    name container ids our engine does not know, yet they are not ours to kill. They live, with
+    their parents, in that container's PID namespace.
+    """
+    if ours is None:
+        return True
+    if _pid_namespace(pid) == ours:
+        return True
+    parent = _parent(pid)
+    return parent is not None and _pid_namespace(parent) == ours
+
+
 def runtime_processes() -> list[StrayProcess]:
-    """runsc sandbox/gofer processes and containerd shims on this host, with their container id.
+    """runsc sandbox/gofer processes and containerd shims of this PID namespace's engines, with
+    their container id.
 
     runsc's processes name their container in the bundle and log paths
     (.../io.containerd.runtime.v2.task/moby/<id>); a shim has `-id <id>`.
     """
     found = []
+    ours = _pid_namespace("self")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -882,6 +916,6 @@ def runtime_processes() -> list[StrayProcess]:
         else:
             continue
         match = _CONTAINER_ID.search(" ".join(args))
-        if match:
+        if match and _of_this_pid_namespace(entry.name, ours):
             found.append(StrayProcess(int(entry.name), kind, match.group(0), " ".join(args)[:300]))
     return found
