@@ -96,7 +96,7 @@ types: install
 PROVISION_LOG := build/test-provision.log
 unit: install
 	@mkdir -p build
-	@$(BIN)/python -m pytest -p no:cacheprovider tests/test_provision.py > $(PROVISION_LOG) 2>&1 & \
+	@nice -n 10 $(BIN)/python -m pytest -p no:cacheprovider tests/test_provision.py > $(PROVISION_LOG) 2>&1 & \
 	provision=$$!; \
 	$(BIN)/python -m pytest --ignore=tests/test_provision.py; suite=$$?; \
 	wait $$provision; provisioned=$$?; \

@@ -34,7 +34,7 @@ def leak_through_proxy(app: Appliance, crew: str, gateway: str) -> str:
     raw = (
         "printf 'POST /anthropic/v1/messages HTTP/1.1\\r\\nHost: x\\r\\nx-fake-leak: body\\r\\n"
         "content-length: 2\\r\\nConnection: close\\r\\n\\r\\n{}' | "
-        f"nc -w 5 {gateway} {app.port}"
+        f"nc -w 30 {gateway} {app.port}"
     )
     done = app.ctl("run", crew, "--", "sh", "-c", raw)
     return done.stdout

@@ -35,7 +35,7 @@ def injected_key(app: Appliance, provider: FakeServer, crew: str, gateway: str) 
     raw = (
         "printf 'POST /anthropic/v1/messages HTTP/1.1\\r\\nHost: x\\r\\n"
         "content-length: 2\\r\\nConnection: close\\r\\n\\r\\n{}' | "
-        f"nc -w 5 {gateway} {app.port}"
+        f"nc -w 30 {gateway} {app.port}"
     )
     for _ in range(2):
         done = app.ctl("run", crew, "--", "sh", "-c", raw)

@@ -73,7 +73,7 @@ def in_crew(app: Appliance, crew: str, script: str) -> subprocess.CompletedProce
 def raw_request(app: Appliance, gateway: str, head: str, body: str = "") -> str:
     """A shell line that sends one raw HTTP/1.1 request to the crew's gateway."""
     text = head.replace("\r\n", "\\r\\n") + body
-    return f"printf '{text}' | nc -w 5 {gateway} {app.port}"
+    return f"printf '{text}' | nc -w 30 {gateway} {app.port}"
 
 
 def json_records(app: Appliance) -> list[dict[str, object]]:

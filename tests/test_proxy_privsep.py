@@ -146,7 +146,7 @@ def assert_crew_served(app: Appliance, crew: str, gateway: str, provider: FakeSe
     done = app.ctl(
         "run", crew, "--", "sh", "-c",
         f"printf 'GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n"
-        f"\\r\\n' | nc -w 5 {gateway} {app.port}",
+        f"\\r\\n' | nc -w 30 {gateway} {app.port}",
     )  # fmt: skip
     assert " 200 " in done.stdout, (done.stdout, done.stderr)
     assert provider.last().all("x-api-key") == [STORED_VALUE]
