@@ -51,6 +51,22 @@ def base_python() -> str:
     return str(getattr(sys, "_base_executable", None) or sys.executable)
 
 
+def _run_dist(tree: Path, out: Path) -> str:
+    """`scripts/dist OUT` of `tree`, with the shared build virtualenv; its standard output."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    env = {**os.environ, "DIST_PYTHON": base_python(), "DIST_VENV": str(CACHE / f"venv-{version}")}
+    done = subprocess.run(
+        ["nice", "-n", "10", str(tree / "scripts" / "dist"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"scripts/dist failed:\n{done.stdout}\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
 def built_artifact() -> Path:
     """The artifact's directory (agent-appliance/), built now if this source has none yet."""
     out = CACHE / source_hash()
@@ -61,23 +77,9 @@ def built_artifact() -> Path:
         if (app / "agent-appliance").is_file() and (out / "built").is_file():
             return app
         shutil.rmtree(out, ignore_errors=True)
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        env = {
-            **os.environ,
-            "DIST_PYTHON": base_python(),
-            "DIST_VENV": str(CACHE / f"venv-{version}"),
-        }
         started = time.monotonic()
-        done = subprocess.run(
-            ["nice", "-n", "10", str(ROOT / "scripts" / "dist"), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if done.returncode != 0:
-            raise AssertionError(f"scripts/dist failed:\n{done.stdout}\n{done.stderr[-4000:]}")
-        (out / "built").write_text(f"{time.monotonic() - started:.1f} s\n{done.stdout}")
+        stdout = _run_dist(ROOT, out)
+        (out / "built").write_text(f"{time.monotonic() - started:.1f} s\n{stdout}")
         # Older sources' artifacts: one is enough to keep.
         for old in CACHE.iterdir():
             if old.is_dir() and old != out and not old.name.startswith(("venv-", "upgrade-")):
@@ -128,22 +130,8 @@ def upgrade_artifact() -> Path:
                     f'__version__ = "{__version__}"', f'__version__ = "{version}"'
                 )
             )
-            python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
-            env = {
-                **os.environ,
-                "DIST_PYTHON": base_python(),
-                "DIST_VENV": str(CACHE / f"venv-{python_version}"),
-            }
-            done = subprocess.run(
-                ["nice", "-n", "10", str(tree / "scripts" / "dist"), str(out)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
-        if done.returncode != 0:
-            raise AssertionError(f"scripts/dist failed:\n{done.stdout}\n{done.stderr[-4000:]}")
-        (out / "built").write_text(done.stdout)
+            stdout = _run_dist(tree, out)
+        (out / "built").write_text(stdout)
         return app
 
 

@@ -26,6 +26,7 @@ rendered as HTTP/1.1, so that a whole response need not be written out and read 
 
 from __future__ import annotations
 
+import functools
 import re
 
 from proxycore.errors import PolicyDenied
@@ -65,24 +66,13 @@ def _authority_host(authority: bytes) -> str:
 
 # Whether an :authority names the proxy itself (the gateway the connection arrived on), for the
 # authorities that come again and again: reading one costs more than the rest of the head.
-# Bounded, emptied when full; an authority carries no secret (userinfo is refused before).
-_OWN_LIMIT = 1024
-_own: dict[tuple[bytes, str], bool] = {}
-
-
+# Bounded; an authority carries no secret (userinfo is refused before).
+@functools.lru_cache(maxsize=1024)
 def _is_own(authority: bytes, gateway: str) -> bool:
-    key = (authority, gateway)
-    known = _own.get(key)
-    if known is not None:
-        return known
     try:
-        own = normalize_host(_authority_host(authority)) == gateway
+        return normalize_host(_authority_host(authority)) == gateway
     except PolicyDenied:
-        own = False
-    if len(_own) >= _OWN_LIMIT:
-        _own.clear()
-    _own[key] = own
-    return own
+        return False
 
 
 def request_head(request: RequestReceived, gateway: str) -> bytes:
