@@ -625,13 +625,15 @@ def test_per_rpc_cancellation_and_deadline_reach_the_server(
         assert 0 < server.seen.remaining[deadline_token] <= 0.51
         assert method(channel, "unary_unary", "Unary")(b"after", timeout=10) == b"after"
     events = forwarded(grpc_proxy, 3)
-    # The cancelled stream cut after its first messages, the deadline before any answer, the
-    # last RPC whole.
-    assert sorted((type(e).__name__, getattr(e, "complete", None)) for e in events) == [
-        ("RequestAllowed", False),
-        ("RequestAllowed", True),
-        ("RequestErrored", None),
-    ]
+    outcomes = sorted((type(e).__name__, getattr(e, "complete", None)) for e in events)
+    # The cancelled stream cut after its first messages and the last RPC whole. The deadline
+    # races two ends that are both correct: the agent's RST_STREAM at 0.5 s (no answer yet:
+    # RequestErrored) or the server's own DEADLINE_EXCEEDED answer, sent at the same instant
+    # because grpc-timeout travelled, relayed and then cut by that RST_STREAM.
+    assert outcomes in (
+        [("RequestAllowed", False), ("RequestAllowed", True), ("RequestErrored", None)],
+        [("RequestAllowed", False), ("RequestAllowed", False), ("RequestAllowed", True)],
+    ), outcomes
 
 
 def test_per_rpc_response_messages_are_scrubbed_whole(

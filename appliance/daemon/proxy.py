@@ -120,7 +120,14 @@ class _Worker:
 
     def status(self, scrub: Callable[[str], str]) -> WorkerStatus:
         process = self.process
-        running = process is not None and process.returncode is None and self.restart_at is None
+        # Running once it serves: restored over its channel, which it reads only after dropping
+        # its privileges, so a worker still starting (as root) is reported as down, not as uid 0.
+        running = (
+            process is not None
+            and process.returncode is None
+            and self.restart_at is None
+            and self.client is not None
+        )
         last = self.last_exit
         return WorkerStatus(
             index=self.index,
