@@ -18,9 +18,12 @@ FUZZ_RUNS_SCRUB ?= 2500
 # The scrubber's differential harness runs the Python reference on every input, about 30 inputs a
 # second under the sanitizers (Python's allocations go through ASan's): fewer runs there.
 FUZZ_RUNS_SANITIZE_SCRUB ?= 1000
+# The fold matcher's harness (the reference decodes every pending byte on every feed): about 25
+# inputs a second under the sanitizers.
+FUZZ_RUNS_SANITIZE_FOLD ?= 300
 
 NATIVE_SRC := $(wildcard native/src/*.c native/src/*.h) native/_build_headscan.py \
-	native/_build_scrub.py
+	native/_build_scrub.py native/_build_fold.py
 NATIVE_LIB := native/.built
 
 .PHONY: demo setup engine images test install native native-sanitize lint types unit fuzz-smoke bench clean dist wheel-check
@@ -73,10 +76,12 @@ native-sanitize: install
 	$(BIN)/python -m native.build --sanitize
 	$(SANITIZE_ENV) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_native_headscan.py tests/test_http1.py tests/test_http1_relay.py \
-		tests/test_native_scrub.py
-	@for harness in fuzz/fuzz_native_headscan.py fuzz/fuzz_scrub_differential.py; do \
+		tests/test_native_scrub.py tests/test_scrub_fold.py
+	@for harness in fuzz/fuzz_native_headscan.py fuzz/fuzz_scrub_differential.py \
+		fuzz/fuzz_scrub_fold_differential.py; do \
 		runs=$(FUZZ_RUNS); \
-		case $$harness in *scrub*) runs=$(FUZZ_RUNS_SANITIZE_SCRUB);; esac; \
+		case $$harness in *scrub_fold*) runs=$(FUZZ_RUNS_SANITIZE_FOLD);; \
+			*scrub*) runs=$(FUZZ_RUNS_SANITIZE_SCRUB);; esac; \
 		log=$$(mktemp); \
 		$(SANITIZE_ENV) $(BIN)/python $$harness -runs=$$runs -max_len=4096 \
 			>$$log 2>&1 || { tail -n 40 $$log; exit 1; }; \

@@ -14,10 +14,20 @@ import ssl
 import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import ModuleType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+# The fake also runs on a bare Debian python3 (the provisioned machine of tests/test_provision.py):
+# the standard library only there, so brotli is optional (`encoding=br` needs it).
+brotli: ModuleType | None
+try:
+    import brotli  # type: ignore[no-redef,unused-ignore]
+except ImportError:  # the appliance's own Python has it
+    brotli = None
 
 
 @dataclass
@@ -207,11 +217,76 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
+    def _spell(self, how: str, key: str) -> None:
+        """A model that spells the key out 1 to 7 bytes per text delta (Anthropic, OpenAI chat
+        or OpenAI Responses framing), events `x-fake-eol` apart (LF by default), chunked or
+        with a Content-Length (`x-fake-framing: length`)."""
+        text = f"The key is {key}. Done."
+        pieces, at, size = [], 0, 1
+        while at < len(text):
+            pieces.append(text[at : at + size])
+            at += size
+            size = size % 7 + 1
+        if how == "spell-openai":
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-fake"}
+            events: list[tuple[str | None, Any]] = [
+                (None, {**chunk, "choices": [{"index": 0, "delta": {"content": piece}}]})
+                for piece in pieces
+            ]
+            events.append(
+                (None, {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+            )
+            events.append((None, "[DONE]"))
+        elif how == "spell-responses":
+            item = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+            events = [
+                ("response.output_text.delta", {"type": "response.output_text.delta", **item,
+                                                "delta": piece})
+                for piece in pieces
+            ]  # fmt: skip
+            events.append(("response.completed", {"type": "response.completed"}))
+        else:
+            events = [*SSE_EVENTS[:2]]
+            events += [
+                (
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": piece},
+                    },
+                )
+                for piece in pieces
+            ]
+            events += list(SSE_EVENTS[4:])
+        eol = {"crlf": "\r\n", "cr": "\r"}.get(self.headers.get("x-fake-eol") or "", "\n")
+        raws = []
+        for name, data in events:
+            payload = data if isinstance(data, str) else json.dumps(data)
+            event = (f"event: {name}{eol}" if name else "") + f"data: {payload}{eol}{eol}"
+            raws.append(event.encode())
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        if self.headers.get("x-fake-framing") == "length":  # a body the proxy reads whole
+            self.send_header("content-length", str(sum(map(len, raws))))
+            self.end_headers()
+            self.wfile.write(b"".join(raws))
+            return
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        for raw in raws:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
     def _echo(self, query: dict[str, list[str]]) -> None:
         """`text` (+ `fill` x `repeat`) back as the body: `framing` length|chunked|close, in
         `pieces` writes `delay` seconds apart, also in an `x-echo` field with `header=1`,
-        gzip-encoded with `encoding=gzip`. For the scrubber's tests: an upstream that echoes
-        what it is given."""
+        encoded with `encoding=gzip|deflate|deflate-raw|br` (labelled so; any other value is sent
+        labelled with it and not encoded), or compressed but
+        labelled identity with `encoding=gzip-as-identity|zlib-as-identity`. For the scrubber's
+        tests: an upstream that echoes what it is given."""
         text = query.get("text", [""])[0].encode("utf-8", "surrogateescape")
         # `fill` repeated `repeat` times after `text`: bodies longer than a request line.
         text += query.get("fill", [""])[0].encode() * int(query.get("repeat", ["0"])[0])
@@ -219,8 +294,18 @@ class _Handler(BaseHTTPRequestHandler):
         pieces = max(1, int(query.get("pieces", ["1"])[0]))
         delay = float(query.get("delay", ["0"])[0])
         encoding = query.get("encoding", [""])[0]
-        if encoding == "gzip":
+        if encoding in ("gzip", "gzip-as-identity"):
             text = gzip.compress(text)
+        elif encoding in ("deflate", "zlib-as-identity"):
+            text = zlib.compress(text)
+        elif encoding == "br" and brotli is not None:
+            text = brotli.compress(text)
+        elif encoding == "deflate-raw":
+            raw = zlib.compressobj(6, zlib.DEFLATED, -15)
+            text = raw.compress(text) + raw.flush()
+            encoding = "deflate"
+        if encoding.endswith("-as-identity"):
+            encoding = "identity"
         self.send_response(200)
         self.send_header("content-type", "text/plain")
         if query.get("header") == ["1"]:
@@ -249,7 +334,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _leak_key(self, how: str) -> None:
         """A provider that echoes the key it was sent (as some do in auth errors)."""
         key = self.headers.get("x-api-key") or self.headers.get("authorization") or ""
-        if how == "sse":
+        key = key.removeprefix("Bearer ")
+        if how.startswith("spell"):
+            self._spell(how, key)
+        elif how == "sse":
             half = len(key) // 2
             self._sse(
                 [

@@ -59,6 +59,11 @@ allocations) and the VmRSS delta (coarse: pages freed earlier are reused), plus 
 `pending`. For hyperscan, `hs_stream_size` (`len(stream)`) and the same deltas for 1,000 open
 streams of its stream-mode database. Compile time is the construction of each subject's tables.
 
+`--fold` measures the fold matcher (the scrubber's stage 2) instead: stage 1 alone, stage 2
+alone (C and reference) and the composed `Scrubber` stream side by side, 256 secrets, 1 KiB and
+16 KiB chunks, and stage 2's redactions on text that holds none of the secrets (CPython's
+standard library sources, Debian's /usr/share/doc), per 100 MB.
+
 Run `python bench/bench_scrub.py --help` for the options; `--quick` is a smoke test.
 """
 
@@ -82,6 +87,7 @@ import sysconfig
 import time
 import tracemalloc
 import urllib.parse
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -157,6 +163,17 @@ def size_label(n: int) -> str:
 
 
 # --------------------------------------------------------------------------- secrets
+
+
+def _github_body(body30: str) -> str:
+    """A GitHub token's body: 30 random characters and the base62 CRC-32 of them (the shape
+    checks it: a random 36-character body is not a token)."""
+    value = zlib.crc32(body30.encode())
+    tail = ""
+    for _ in range(6):
+        value, digit = divmod(value, 62)
+        tail = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"[digit] + tail
+    return body30 + tail
 
 
 def _chars(rng: random.Random, alphabet: str, n: int) -> str:
@@ -470,7 +487,7 @@ def make_plant(kind: int, rng: random.Random, secret: bytes) -> tuple[bytes, lis
             return secret, [secret], "known raw"
         return b'"text":"' + enc + b'"', [enc], "known \\u00XX-escaped"
     if kind == 5:
-        body = _chars(rng, BASE62, 36).encode()
+        body = _github_body(_chars(rng, BASE62, 30)).encode()
         return b"ghp_" + body, [body], "unknown ghp_ token"
     if kind == 6:
         body = _chars(rng, "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", 16).encode()
@@ -1315,6 +1332,141 @@ def print_tables(summary: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- main
 
 
+# --------------------------------------------------------------------------- --fold
+
+
+def _stage_streams(secrets: list[tuple[str, bytes]]) -> dict[str, Callable[[], Any]]:
+    """Stream factories: stage 1 alone, stage 2 alone (C, reference) and the composed scrubber."""
+    from native import scrub_fold, scrub_fold_native, scrub_native
+    from native.scrub import Scrubber
+    from native.scrub_patterns import compile_patterns
+
+    out: dict[str, Callable[[], Any]] = {}
+    if scrub_native.AVAILABLE:
+        out["stage1"] = scrub_native.NativeTables(compile_patterns(secrets)).stream
+    ref = scrub_fold.FoldTables(secrets)
+    if scrub_fold_native.AVAILABLE:
+        out["fold-c"] = scrub_fold_native.NativeFoldTables(secrets).stream
+    out["fold-reference"] = ref.stream
+    out["composed"] = Scrubber(secrets).stream
+    return out
+
+
+def fold_throughput(data: bytes, factory: Callable[[], Any], chunk: int, budget: float) -> float:
+    """GB/s of CPU time, best of three passes (a slow subject is timed on a prefix)."""
+    chunks = chunked(data, chunk)
+    probe = chunked(data[: 256 * KIB], chunk)
+    t0 = time.process_time()
+    stream = factory()
+    for c in probe:
+        stream.feed(c)
+    stream.flush()
+    per_byte = (time.process_time() - t0) / max(1, sum(map(len, probe)))
+    if per_byte * len(data) > budget:
+        chunks = chunks[: max(1, int(budget / per_byte) // chunk)]
+    size = sum(map(len, chunks))
+    best = float("inf")
+    for _ in range(3):
+        stream = factory()
+        t0 = time.process_time()
+        for c in chunks:
+            stream.feed(c)
+        stream.flush()
+        best = min(best, time.process_time() - t0)
+    return size / best / 1e9
+
+
+def _doc_texts() -> bytes:
+    """Debian's /usr/share/doc, the uncompressed files (copyright notices, READMEs)."""
+    parts = []
+    root = Path("/usr/share/doc")
+    if root.is_dir():
+        for path in sorted(root.rglob("*")):
+            if (
+                path.is_file()
+                and not path.is_symlink()
+                and path.suffix not in (".gz", ".bz2", ".xz")
+            ):
+                try:
+                    parts.append(path.read_bytes())
+                except OSError:
+                    continue
+    return b"\n".join(parts)
+
+
+def fold_false_positives(secrets: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
+    """Stage-2 redactions on large real text with none of the secrets in it, per 100 MB."""
+    from native import scrub_fold, scrub_fold_native
+
+    engine: Any = (
+        scrub_fold_native.NativeFoldTables(secrets)
+        if scrub_fold_native.AVAILABLE
+        else scrub_fold.FoldTables(secrets)
+    )
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    corpora = {
+        "cpython-stdlib-py": b"\n".join(p.read_bytes() for p in files),
+        "usr-share-doc": _doc_texts(),
+    }
+    rows = []
+    for name, data in corpora.items():
+        if not data:
+            continue
+        out = engine.scrub(data)
+        hits = out.count(b"[REDACTED:")
+        rows.append(
+            {
+                "corpus": name,
+                "bytes": len(data),
+                "redactions": hits,
+                "per_100mb": round(hits * 1e8 / len(data), 2),
+                "samples": [
+                    m.decode() for m in re.findall(rb".{0,24}\[REDACTED:[^\]]+\].{0,24}", out)[:5]
+                ],
+            }
+        )
+    return rows
+
+
+def fold_report(args: argparse.Namespace) -> int:
+    """`--fold`: stage 2 alone, stage 1 alone and the composed scrubber, side by side, at
+    1 KiB and 16 KiB chunks with 256 secrets, and stage 2's false positives."""
+    secrets = make_secrets(256)
+    size = parse_size(args.corpus_size or "8m")
+    code = code_corpus(max(size, 4 * MIB))
+    corpora = {"json": json_corpus(size, code), "code": code[:size]}
+    t0 = time.process_time()
+    factories = _stage_streams(secrets)
+    compile_s = time.process_time() - t0
+    rows = []
+    print(f"fold: 256 secrets, corpora of {size_label(size)}, compile {compile_s:.2f} s (all)")
+    print(f"{'corpus':8} {'chunk':>6} " + " ".join(f"{name:>15}" for name in factories))
+    for corpus, data in corpora.items():
+        for chunk in (KIB, 16 * KIB):
+            figures = {
+                name: fold_throughput(data, factory, chunk, args.budget)
+                for name, factory in factories.items()
+            }
+            rows.append({"corpus": corpus, "chunk": chunk, "gbs": figures})
+            print(
+                f"{corpus:8} {size_label(chunk):>6} "
+                + " ".join(f"{figures[name]:>11.3f} GB/s" for name in factories)
+            )
+    fps = fold_false_positives(secrets)
+    for row in fps:
+        print(
+            f"false positives, {row['corpus']}: {row['redactions']} in {row['bytes']:,} bytes "
+            f"({row['per_100mb']} per 100 MB)"
+        )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_out = args.json_out or common.RESULTS_DIR / f"scrub-fold-{stamp}.json"
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps({"throughput": rows, "false_positives": fps}, indent=1))
+    print(f"results: {json_out}")
+    return 0
+
+
 def pin(core: str | None) -> None:
     if core is None:
         return
@@ -1378,10 +1530,19 @@ def main(argv: list[str] | None = None) -> int:
         help="re-run a measurement others disturbed, up to this many times (0)",
     )
     parser.add_argument("--memory-probe", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fold",
+        action="store_true",
+        help="the fold matcher (stage 2): its throughput beside stage 1 and the composed "
+        "scrubber at 1 KiB and 16 KiB chunks, 256 secrets, and its false positives on "
+        "CPython's standard library and /usr/share/doc",
+    )
     args = parser.parse_args(argv)
     core = None if args.core == "none" else args.core
     sys.path.insert(0, str(args.source.resolve()))
     pin(core)
+    if args.fold:
+        return fold_report(args)
 
     if args.memory_probe is not None:
         print(json.dumps(memory_probe(args.memory_probe, args.memory_streams, args.engine)))

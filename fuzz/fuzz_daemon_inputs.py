@@ -159,7 +159,9 @@ def main() -> None:
 
     for seed in SEEDS:
         TestOneInput(seed)
-    atheris.instrument_all()
+    from seeded import instrument
+
+    instrument()
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()
 

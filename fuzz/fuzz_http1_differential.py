@@ -650,8 +650,9 @@ SEEDS: tuple[bytes, ...] = (
 
 def main() -> None:
     import atheris
+    from seeded import instrument
 
-    atheris.instrument_all()
+    instrument()
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()
 

@@ -152,7 +152,9 @@ def main() -> None:
 
     if not headscan.AVAILABLE:
         sys.exit("native head scanner not built: run `python -m native.build` first")
-    atheris.instrument_all()
+    from seeded import instrument
+
+    instrument()
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()
 

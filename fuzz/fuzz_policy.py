@@ -276,8 +276,9 @@ def TestOneInput(data: bytes) -> None:
 
 def main() -> None:
     import atheris
+    from seeded import instrument
 
-    atheris.instrument_all()
+    instrument()
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()
 

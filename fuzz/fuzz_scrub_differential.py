@@ -16,7 +16,8 @@ Input layout: byte 0 chooses the engine's loops (bit 0: AVX2 where the CPU has i
 portable ones) and the chunking (bits 1-2: one chunk, one byte at a time, chunks of 1-64 bytes,
 chunks of 1-1024 bytes; the sizes come from a PRNG seeded with the input). Every further byte
 below 0x80 is itself; 0x80-0xBF picks one of `COMMON_PIECES` (shape openers and bodies,
-zero-width characters whole and cut, quotes, line breaks); 0xC0-0xFF with the byte after it
+zero-width characters whole and cut, quotes, line breaks, checksummed and placeholder bodies
+for the shape validators); 0xC0-0xFF with the byte after it
 picks one of `PIECES` (the secrets whole and cut, their encodings whole and cut). The text is
 cut at MAX_TEXT bytes.
 """
@@ -31,9 +32,23 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import atheris
+
+    # Only the scrubber's own modules are instrumented: instrumenting every module loaded
+    # (atheris.instrument_all) takes some 20 s before the first input.
+    with atheris.instrument_imports(include=["native"]):
+        import native.scrub_native
+        import native.scrub_patterns
+        import native.scrub_reference  # noqa: F401
 
 from native import scrub_native
-from native.scrub_patterns import ZERO_WIDTH, Patterns, compile_patterns, encodings
+from native.scrub_patterns import (
+    ZERO_WIDTH,
+    Patterns,
+    compile_patterns,
+    crc32_base62,
+    encodings,
+)
 from native.scrub_reference import ReferenceStream, Tables, scrub_whole, split
 
 SECRETS: tuple[tuple[str, bytes], ...] = (
@@ -49,6 +64,7 @@ def _secret_pieces(value: bytes) -> list[bytes]:
     return [value, value[:half], value[half:], value[:7], value[-7:], value[1:9]]
 
 
+_CRC = crc32_base62(b"Zx9Qw3Rt7Yp2Lm5Nb8Vc1Kd4Hs6Jf0")
 SHAPE_PIECES: tuple[bytes, ...] = (
     b"sk-ant-",
     b"sk-proj-",
@@ -81,6 +97,23 @@ SHAPE_PIECES: tuple[bytes, ...] = (
     b"\r\n",
     b"\n\n",
     b"data: ",
+    # The validators of the provider shapes: a GitHub token with its CRC-32 tail (whole and
+    # cut), placeholder words, runs and templates, and openers of shapes that use them.
+    b"ghp_Zx9Qw3Rt7Yp2Lm5Nb8Vc1Kd4Hs6Jf0",
+    b"Zx9Qw3Rt7Yp2Lm5Nb8Vc1Kd4Hs6Jf0",
+    _CRC,
+    b"npm_",
+    b"sk_live_",
+    b"glpat-",
+    b"xoxp-41684372915-",
+    b"8Q~",
+    b"hf_",
+    b"EXAMPLE",
+    b"xxxx",
+    b"${API_KEY}",
+    b"<your-key>",
+    b"aaaaaa",
+    b"API_KEY=",
 )
 BYTE_PIECES: tuple[bytes, ...] = (
     *ZERO_WIDTH,
@@ -235,7 +268,6 @@ def main() -> None:
 
     if not scrub_native.AVAILABLE:
         sys.exit("native scrubber not built: run `python -m native.build` first")
-    atheris.instrument_all()
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-from native import _build_headscan, _build_scrub
+from native import _build_fold, _build_headscan, _build_scrub
 
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZE = [
@@ -30,7 +30,7 @@ SANITIZE = [
 
 
 # (module name, its build script): every native module.
-MODULES = (("_headscan", _build_headscan), ("_scrub", _build_scrub))
+MODULES = (("_headscan", _build_headscan), ("_scrub", _build_scrub), ("_fold", _build_fold))
 
 
 def build(out_dir: Path, extra_cflags: list[str] | None = None) -> list[Path]:

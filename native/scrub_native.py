@@ -15,6 +15,7 @@ fed after its flush raises `ScrubStateError`, also a ValueError like the referen
 
 from __future__ import annotations
 
+import functools
 import threading
 from array import array
 from typing import Any
@@ -61,6 +62,7 @@ def _raise(code: int, eof: int = 0) -> None:
     raise ScrubEngineError(code)
 
 
+@functools.lru_cache(maxsize=1024)
 def _bitmap(members: frozenset[int]) -> bytes:
     bits = bytearray(32)
     for b in members:
@@ -95,6 +97,7 @@ class _Flat:
             for seg in shape.segments:
                 self._segment(seg)
             not_after = self.put(_bitmap(shape.not_after)) if shape.not_after else -1
+            not_before = self.put(_bitmap(shape.not_before)) if shape.not_before else -1
             self.shapes.extend(
                 (
                     first,
@@ -105,6 +108,10 @@ class _Flat:
                     shape.optional_from,
                     self.name(shape.name.encode()),
                     not_after,
+                    int(shape.check),
+                    shape.entropy_k,
+                    int(shape.placeholder_filter),
+                    not_before,
                 )
             )
 
@@ -234,7 +241,7 @@ class NativeTables:
             _int32s(flat.lits),
             len(flat.lits) // 4,
             _int32s(flat.shapes),
-            len(flat.shapes) // 8,
+            len(flat.shapes) // 12,
             _int32s(flat.segs),
             len(flat.segs) // 11,
             _int32s(flat.sufs),

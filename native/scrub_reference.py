@@ -16,8 +16,14 @@ Theory of operation
    - a window literal: at every position whose next 8 bytes are a run of that secret;
    - a whole literal: at every position where it occurs complete;
    - a shape: each shape on its own, left to right, not overlapping itself (like `finditer`),
-     possessively (no backtracking), only where the byte before is not in `not_after`; its span
-     is the redacted part of the match.
+     possessively (no backtracking), only where the byte before is not in `not_after` (the end
+     of the text waits for the byte after a match when `not_before` is set); its span
+     is the redacted part of the match. A complete match that the byte after it (`not_before`)
+     or its body's validators (`Shape.body_ok`: checksum, entropy, placeholder) reject redacts
+     nothing, but the shape goes on after it, as after a match (gitleaks filters its regex's
+     non-overlapping matches the same way): were it tried again at each byte inside, a text of
+     prefixes in one long run would cost the shape's length per byte. The validators read only
+     the match, so this does not depend on chunking either.
 3. Spans are sorted by (start, priority, longest first) and merged while they overlap (touching
    spans stay apart). Each merged group becomes `[REDACTED:<name of its first span>]` (so a
    known secret is named by its credential rather than by the shape it also has); the
@@ -245,11 +251,27 @@ def match_shape(shape: Shape, s: bytes, p: int, eof: bool) -> ShapeMatch | int:
             return NO_MATCH
         bounds.append((i, end))
         i = end
+    rejected = False
+    if shape.not_before:
+        if i == len(s):
+            if not eof:
+                return NEED_MORE
+        elif s[i] in shape.not_before:
+            rejected = True
     last = min(shape.redact_to, len(bounds)) - 1
     if shape.redact_from < len(bounds) and last >= shape.redact_from:
         r0, r1 = bounds[shape.redact_from][0], bounds[last][1]
     else:
         r0 = r1 = i
+    if not rejected and shape.validated:
+        # The body: the redacted segments, less the opening literal (a prefix is not random).
+        first = max(shape.redact_from, 1)
+        b0 = bounds[first][0] if first <= last else r1
+        rejected = not shape.body_ok(s[b0:r1])
+    if rejected:
+        # Redacts nothing, but like a match it is not overlapped by the shape's next one: each
+        # byte inside it would otherwise start another scan of up to the shape's length.
+        return ShapeMatch(p, i, i, i, b"")
     if 0 <= shape.name_from < len(bounds):
         a, b = bounds[shape.name_from]
         name = s[a:b]

@@ -22,7 +22,12 @@ from appliance.journal import entries as E
 from appliance.journal.store import chain_hash
 from native.scrub import Scrubber
 
-SECRET = "sk-ant-api03-" + "Q7x" * 30
+# A key of Anthropic's shape, random-looking (a periodic body reads as a placeholder to the
+# shape filter, which would not redact it).
+SECRET = (
+    "sk-ant-api03-"
+    "yX711an73tOEc28WqctKBgL2hKRU1mG9Y8Nu06lJwGEHg41ORgMLwAwmRkNDeezKeGOiU49cIle0LoXB3JCBZFNGPE"
+)
 
 
 def sample_entries() -> list[E.Entry]:

@@ -24,6 +24,7 @@ from native.scrub_patterns import (
     Shape,
     cls,
     compile_patterns,
+    crc32_base62,
     encodings,
     lit,
     token_shape,
@@ -121,13 +122,17 @@ def test_zero_width_characters_do_not_hide_a_secret(zw: str) -> None:
     mark = zw.encode()
     hidden = mark.join(KEY[i : i + 3] for i in range(0, len(KEY), 3))
     assert scrub(b"x " + hidden + b" y") == b"x [REDACTED:anthropic] y"
-    shape = b"ghp_" + mark + b"a" * 20 + mark + b"b" * 16
+    shape = b"ghp_" + mark + GH_TOKEN[4:24] + mark + GH_TOKEN[24:]
     assert scrub(b"t " + shape + b" u") == b"t [REDACTED:github] u"
     # Outside a secret they are kept as they were.
     assert scrub(b"a" + mark + b"b " + mark) == b"a" + mark + b"b " + mark
 
 
 # -- shapes ---------------------------------------------------------------------------------------
+
+# A token body of 36 random-looking characters, and a GitHub token with its CRC-32 tail.
+RANDOM_BODY = b"Zx9Qw3Rt7Yp2Lm5Nb8Vc1Kd4Hs6Jf0Ga2UeTo"
+GH_TOKEN = b"ghp_" + RANDOM_BODY[:30] + crc32_base62(RANDOM_BODY[:30])
 
 PEM = (
     b"-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA75ZQ+abc/def==\n"
@@ -142,15 +147,21 @@ PEM = (
         (PEM.replace(b"\n", b"\\n"), b"[REDACTED:private-key]"),  # inside a JSON string
         (b"-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1r", b"[REDACTED:private-key]"),
         (b"-----BEGIN PUBLIC KEY-----\nMIIB", b"-----BEGIN PUBLIC KEY-----\nMIIB"),
-        (b"k sk-ant-" + b"a1" * 15 + b" x", b"k [REDACTED:anthropic] x"),
-        (b"sk-proj-" + b"Ab3" * 10, b"[REDACTED:openai]"),
-        (b"(sk-" + b"x9" * 12 + b")", b"([REDACTED:openai])"),
-        (b"task-" + b"x9" * 12, b"task-" + b"x9" * 12),  # not glued to a word
-        (b"AIzaSy" + b"B" * 33, b"[REDACTED:google]"),
-        (b"ghs_" + b"0" * 36, b"[REDACTED:github]"),
-        (b"github_pat_" + b"A_1" * 10, b"[REDACTED:github]"),
-        (b"xoxb-123456789012-abc", b"[REDACTED:slack]"),
-        (b"id AKIAIOSFODNN7EXAMPLE.", b"id [REDACTED:aws-access-key-id]."),
+        (b"k sk-ant-api03-" + RANDOM_BODY + b" x", b"k [REDACTED:anthropic] x"),
+        (b"sk-proj-" + RANDOM_BODY, b"[REDACTED:openai]"),
+        (b"(sk-" + RANDOM_BODY + b")", b"([REDACTED:openai])"),
+        (b"task-" + RANDOM_BODY, b"task-" + RANDOM_BODY),  # not glued to a word
+        (b"AIzaSyD" + RANDOM_BODY[:32], b"[REDACTED:google]"),
+        (b"ghs_" + GH_TOKEN[4:], b"[REDACTED:github]"),
+        (b"ghs_" + GH_TOKEN[4:-1] + b"x", b"ghs_" + GH_TOKEN[4:-1] + b"x"),  # bad checksum
+        (b"ghp_" + b"x" * 36, b"ghp_" + b"x" * 36),  # placeholder
+        (b"github_pat_11A" + RANDOM_BODY, b"[REDACTED:github]"),
+        (b"xoxb-730194652817-2364535789652-GkwFDQoHqzXDVs", b"[REDACTED:slack]"),
+        (b"xoxb-12345-abcd234", b"xoxb-12345-abcd234"),  # too short to be one
+        (b"id AKIA2OGYBAH6TQWXJ5NZ.", b"id [REDACTED:aws-access-key-id]."),
+        (b"id AKIAIOSFODNN7EXAMPLE.", b"id AKIAIOSFODNN7EXAMPLE."),  # the documentation's
+        (b"API_KEY=${API_KEY:-}", b"API_KEY=${API_KEY:-}"),  # a template
+        (b'{"api_key": "<your-api-key>"}', b'{"api_key": "<your-api-key>"}'),
         (
             b"Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9",
             b"Bearer [REDACTED:jwt]",

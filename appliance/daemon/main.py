@@ -51,6 +51,7 @@ from appliance.runtime.base import RuntimeProvider
 from netns import CrewNetworks
 from proxycore import control
 from proxycore.privileges import forbid_core_dumps
+from proxycore.protocol.scrubbing import configured_shapes
 
 from . import messages
 from .admin_server import AdminServer
@@ -293,6 +294,8 @@ class Daemon:
                     recent_activity=lambda crew: tuple(
                         row.summary for row in journal.tail(KEEPER_RECENT_ENTRIES, crew=crew)
                     ),
+                    secret_paths=keeper_secret_paths(self.config),
+                    shapes=configured_shapes(self.config.proxy.scrub.shapes),
                 ),
                 keeper_dir(self.config) / KEEPER_SOCKET,
                 new_token(),  # fresh at every start; only the proxy workers learn it
@@ -365,6 +368,22 @@ def keeper_dir(config: ApplianceConfig) -> Path:
     socket in it; made 0750 root:<workers' gid> by KeeperChannel.serve."""
     digest = hashlib.sha256(os.fsencode(os.path.abspath(config.daemon.state_dir))).hexdigest()
     return Path(config.daemon.run_dir) / digest[:16]
+
+
+def keeper_secret_paths(config: ApplianceConfig) -> tuple[str, ...]:
+    """Files that hold a secret, for the keeper's encoder rule (docs/keeper.md): the store,
+    its key file, the journal's signing key, the providers' credential files."""
+    state_dir = Path(config.daemon.state_dir)
+    section = config.credentials
+    paths = [
+        section.db or str(state_dir / "credentials.db"),
+        section.key_file or str(state_dir / "credentials.key"),
+        config.journal.key_file or "",
+    ]
+    providers = config.proxy.providers
+    for name in msgspec.structs.fields(providers):
+        paths.append(getattr(providers, name.name).credential_file or "")
+    return tuple(path for path in paths if path)
 
 
 def open_credentials(config: ApplianceConfig) -> CredentialStore:

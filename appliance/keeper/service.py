@@ -8,7 +8,9 @@ not trust the worker's checks (defence in depth, as the source documents say), s
 
 1. decodes the body (`KeeperBody`, unknown fields refused) and re-runs proxycore.protocol.keeper's
 rules:
-   intent (empty/whitespace refused), and for execute the command check and the argv split;
+   intent (empty/whitespace refused), and for execute the command check, the argv split and
+   the encoder rule (proxycore/protocol/keeper_encoders.py, with the secret files only
+   applianced knows: the store, its key file, the providers' credential files);
 2. looks the credential up *for this crew and agent*: an ungranted, revoked or unknown
    credential gets the same answer (a crew learns nothing of others' credentials);
 3. decides: the L1 fast path (request only), else the gatekeeper model with the crew's recent
@@ -16,8 +18,10 @@ rules:
 4. journals `keeper.decision` (acknowledged on disk before the agent hears the answer);
 5. on ALLOW: `request` returns the value; `execute` runs the argv through the runtime provider's
    exec in the crew's agent container with the value only in that command's environment (as
-   `env_name(credential)`), passes stdout and stderr through a scrubber that holds the value,
-   journals `command.executed`, and returns the scrubbed output.
+   `env_name(credential)`), passes stdout and stderr through the crew's scrubber (every value
+   of the store, this one certainly, the shapes; one stream per pipe) and withholds a pipe that
+   is not text (appliance/keeper/output.py), journals `command.executed`, and returns the
+   output. The proxy worker scrubs the answer again with the keys only it holds.
 
 Nothing here caches a decision; each call is decided afresh.
 """
@@ -25,8 +29,7 @@ Nothing here caches a decision; each call is decided afresh.
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -42,8 +45,10 @@ from appliance.keeper.gatekeeper import (
     Verdict,
 )
 from appliance.keeper.ollama import ask_gatekeeper
+from appliance.keeper.output import OutputGuard
 from appliance.runtime.base import ExecExited, ExecOutput, RuntimeProvider
 from native.scrub import Scrubber
+from native.scrub_patterns import DEFAULT_SHAPES, Shape
 from proxycore.protocol.keeper import (
     KEEPER_BODY_BYTES,
     Action,
@@ -53,9 +58,11 @@ from proxycore.protocol.keeper import (
     check_intent,
     credential_named,
     decode_keeper_body,
+    env_name,
     fast_path_allows,
     parse_command,
 )
+from proxycore.protocol.keeper_encoders import SecretSources, check_secret_encoding
 
 log = logging.getLogger("applianced.keeper")
 
@@ -63,7 +70,6 @@ MAX_BODY_BYTES = KEEPER_BODY_BYTES
 EXEC_TIMEOUT_SECONDS = 120.0
 MAX_OUTPUT_BYTES = 1 << 20
 RECENT_ACTIVITY = 20
-_NAME_TO_ENV = re.compile(r"[^A-Z0-9]")
 
 
 class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -75,18 +81,13 @@ class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
     stdout: str | None = None
     stderr: str | None = None
     truncated: bool = False
+    # Pipes whose output was not text and was replaced by a refusal (appliance/keeper/output.py).
+    withheld: tuple[str, ...] = ()
     error: str | None = None  # a refusal before any decision: its rule
 
 
 class RecentActivity(Protocol):
     def __call__(self, crew: str) -> tuple[str, ...]: ...
-
-
-def env_name(credential: str) -> str:
-    """The environment variable an execute's command finds the value in: github-token ->
-    GITHUB_TOKEN (documented in docs/keeper.md)."""
-    name = _NAME_TO_ENV.sub("_", credential.upper())
-    return name if name[:1].isalpha() else "CREDENTIAL_" + name
 
 
 class KeeperService:
@@ -98,8 +99,15 @@ class KeeperService:
         provider: RuntimeProvider | None,
         recent_activity: RecentActivity | None = None,
         ask: Callable[[GatekeeperConfig, KeeperQuery], Any] = ask_gatekeeper,
+        *,
+        secret_paths: Sequence[str] = (),
+        shapes: Sequence[Shape] = DEFAULT_SHAPES,
     ) -> None:
         self.store = store
+        # Files that hold a secret besides the well-known ones (the store, its key file, the
+        # providers' credential files): an execute that reads one through an encoder is refused.
+        self.secret_paths = tuple(secret_paths)
+        self.shapes = tuple(shapes)
         self.gatekeeper = gatekeeper
         self.recorder = recorder
         self.provider = provider
@@ -114,6 +122,7 @@ class KeeperService:
             argv = None
             if action is Action.EXECUTE:
                 argv = parse_command(request.command)
+                check_secret_encoding(argv, self._sources(request.credential))
             elif request.command is not None:
                 raise KeeperRefused("a request takes no command", rule="unexpected_command")
         except KeeperRefused as exc:
@@ -175,6 +184,23 @@ class KeeperService:
             return 200, Answer("allow", verdict.reason, value=value)
         return await self._execute(crew, request, argv, value, verdict)
 
+    def _sources(self, credential: str) -> SecretSources:
+        return SecretSources((env_name(credential),), self.secret_paths)
+
+    async def _output_scrubber(self, credential: str, value: str) -> Scrubber:
+        """The crew's scrubber for an execute's output: every value in the store (the crew may
+        see none of them through an execute: `request` is how a value is delivered), this
+        value certainly (read just now, whatever the store's state), and the shapes. The store
+        is read here (its SQLite connection is this thread's); the compiling, tens of ms for
+        hundreds of values, in a worker thread."""
+        secrets: dict[tuple[str, bytes], None] = {(credential, value.encode("utf-8")): None}
+        for name, stored in self.store.values_to_scrub():
+            try:
+                secrets[(name, stored.reveal())] = None
+            finally:
+                stored.wipe()
+        return await trio.to_thread.run_sync(Scrubber, list(secrets), self.shapes)
+
     def _decode(self, body: bytes) -> KeeperBody:
         return decode_keeper_body(body)
 
@@ -200,12 +226,17 @@ class KeeperService:
     ) -> tuple[int, Answer]:
         if self.provider is None:
             return 503, Answer("deny", "no runtime provider to execute in")
-        # A scrubber that certainly holds this value (plus the default shapes), one stream per
-        # pipe so a value split across writes is still caught (docs/scrubber.md).
-        scrubber = Scrubber([(request.credential, value)])
-        streams = {"stdout": scrubber.stream(), "stderr": scrubber.stream()}
-        output = {"stdout": bytearray(), "stderr": bytearray()}
-        truncated = False
+        try:
+            scrubber = await self._output_scrubber(request.credential, value)
+        except Exception as exc:  # nothing runs whose output could not be scrubbed
+            log.error("keeper: no scrubber for an execute of crew %s: %s", crew, type(exc).__name__)
+            return 503, Answer("deny", "the keeper cannot scrub output now; nothing was run")
+        # One scrubber stream per pipe, so a value split across writes is still caught, and a
+        # pipe that is not text is withheld (appliance/keeper/output.py).
+        guards = {
+            pipe: OutputGuard(pipe, scrubber.stream(), MAX_OUTPUT_BYTES)
+            for pipe in ("stdout", "stderr")
+        }
         exited = ExecExited(exit_code=-1, timed_out=False)
         async for item in self.provider.exec(
             crew,
@@ -214,14 +245,18 @@ class KeeperService:
             timeout=EXEC_TIMEOUT_SECONDS,
         ):
             if isinstance(item, ExecOutput):
-                scrubbed = streams[item.stream].feed(item.line)
-                room = MAX_OUTPUT_BYTES - len(output[item.stream])
-                truncated |= len(scrubbed) > room
-                output[item.stream] += scrubbed[: max(room, 0)]
+                guards[item.stream].feed(item.line)
             elif isinstance(item, ExecExited):  # never ExecAttached: not asked for
                 exited = item
-        for name, stream in streams.items():
-            output[name] += stream.flush()
+        text = {pipe: guard.finish() for pipe, guard in guards.items()}
+        withheld = tuple(pipe for pipe, guard in guards.items() if guard.withheld is not None)
+        for pipe in withheld:
+            log.warning(
+                "keeper: %s of an execute of crew %s withheld: %s",
+                pipe,
+                crew,
+                guards[pipe].withheld,
+            )
         await self.recorder.record(
             E.CommandExecuted(
                 crew=crew,
@@ -236,7 +271,8 @@ class KeeperService:
             verdict.reason,
             exit_code=exited.exit_code,
             timed_out=exited.timed_out,
-            stdout=output["stdout"].decode("utf-8", "replace"),
-            stderr=output["stderr"].decode("utf-8", "replace"),
-            truncated=truncated,
+            stdout=text["stdout"],
+            stderr=text["stderr"],
+            truncated=any(guard.truncated for guard in guards.values()),
+            withheld=withheld,
         )

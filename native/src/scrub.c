@@ -211,8 +211,18 @@ typedef struct {
     int32_t redact_from, redact_to, name_from, optional_from;
     uint32_t name;
     const uint8_t *not_after; /* 32-byte bitmap in the blob, or NULL */
+    const uint8_t *not_before; /* the byte after the match: 32-byte bitmap, or NULL */
     uint8_t open_low[3];      /* the opening literal's first three bytes, lowercase */
+    uint8_t check;            /* CHECK_*: a checksum the body must satisfy */
+    uint8_t placeholder;      /* PH_*: which placeholder bodies are no match */
+    uint32_t entropy_k;       /* 0, or 2**min_entropy in 16.16 fixed point */
 } shape_t;
+
+#define PH_NONE 0
+#define PH_TOKEN 1 /* scrub_patterns.Placeholder */
+#define PH_VALUE 2
+#define CHECK_NONE 0
+#define CHECK_CRC32_BASE62 1 /* scrub_patterns.Check */
 
 typedef struct {
     uint64_t key;
@@ -239,6 +249,11 @@ typedef struct {
     uint32_t len;
 } sprefix_t;
 
+
+typedef struct {
+    uint32_t key; /* the three bytes + 1 (0: empty) */
+    uint32_t first, count;
+} key3_t;
 
 struct scrub_tables {
     uint8_t *blob;
@@ -285,12 +300,24 @@ struct scrub_tables {
     uint64_t tri[256];
     uint32_t gfirst[GROUPS + 1]; /* group g's shapes: gshapes[gfirst[g] .. gfirst[g + 1]] */
     uint32_t *gshapes;
+    /* ... then exactly: the shapes whose opening literal can begin with these three bytes (every
+     * case of a case-folded one), in an open-addressing table keyed by the bytes; the TRI lanes
+     * alone let through many three-byte strings no shape opens with once there are more than
+     * GROUPS distinct openings */
+    key3_t *k3;
+    size_t k3_mask;
+    uint32_t *k3_shapes;
+    /* the shapes by the lowercase first byte of their opening (shape_tail): t1_shapes[t1_first[b]
+     * .. t1_first[b + 1]], in shape order */
+    uint32_t t1_first[257];
+    uint32_t *t1_shapes;
     uint8_t open_first[32]; /* lowercase first bytes of the opening literals (shape_tail) */
     /* ... and before it on x86-64 with AVX2, a nibble filter over four bytes ("Teddy"): 16
      * buckets of shapes, two sets of 8 bits; a position is a candidate when, for each offset j,
      * lo[j][byte & 15] & hi[j][byte >> 4] keeps a bit of one bucket at all four offsets */
     int simd;
     uint8_t ted_lo[2][4][16], ted_hi[2][4][16];
+    uint8_t ted2_lo[2][4][16], ted2_hi[2][4][16]; /* a second grouping (build_teddy) */
 
     size_t footprint;
 };
@@ -318,6 +345,9 @@ void scrub_tables_free(scrub_tables *t) {
     free(t->tail2);
     free(t->tailb);
     free(t->gshapes);
+    free(t->k3);
+    free(t->k3_shapes);
+    free(t->t1_shapes);
     free(t);
 }
 
@@ -576,6 +606,87 @@ static int build_shapes(scrub_tables *t) {
     return SCRUB_OK;
 }
 
+static inline uint32_t key3_of(const uint8_t *s) {
+    return (uint32_t)s[0] | ((uint32_t)s[1] << 8) | ((uint32_t)s[2] << 16);
+}
+
+static inline size_t key3_slot(uint32_t key, size_t mask) {
+    return (size_t)((key * UINT32_C(0x9E3779B1)) >> 7) & mask;
+}
+
+static int cmp_u64v(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The exact table of shape openings (scrub_tables.k3): (key << 16 | shape) pairs sorted, so each
+ * key's shapes are consecutive and in shape order. */
+static int build_key3(scrub_tables *t) {
+    size_t npairs = 0;
+    uint64_t *pairs = xmalloc(t->nshapes, 8 * sizeof(uint64_t));
+    if (!pairs && t->nshapes) return SCRUB_ENOMEM;
+    for (size_t k = 0; k < t->nshapes; k++) {
+        const seg_t *g = &t->segs[t->shapes[k].seg_first];
+        const uint8_t *lit = t->blob + g->lit_off;
+        for (unsigned v = 0; v < 8; v++) { /* bit b of v: byte b in the other case */
+            uint8_t b3[3];
+            int same = 1;
+            for (int b = 0; b < 3; b++) {
+                uint8_t c = lit[b], o = c;
+                if (g->fold && ((v >> b) & 1)) {
+                    if (c >= 'a' && c <= 'z') o = (uint8_t)(c - 32);
+                    else if (c >= 'A' && c <= 'Z') o = (uint8_t)(c + 32);
+                }
+                if ((v >> b) & 1 && o == c) same = 0; /* a variant equal to another: skip */
+                b3[b] = o;
+            }
+            if (v && !same) continue;
+            pairs[npairs++] = ((uint64_t)key3_of(b3) << 16) | (uint64_t)k;
+            if (!g->fold) break;
+        }
+    }
+    t->t1_shapes = xmalloc(t->nshapes ? t->nshapes : 1, sizeof(uint32_t));
+    if (!t->t1_shapes) {
+        free(pairs);
+        return SCRUB_ENOMEM;
+    }
+    t->footprint += t->nshapes * sizeof(uint32_t);
+    memset(t->t1_first, 0, sizeof(t->t1_first));
+    for (size_t k = 0; k < t->nshapes; k++) t->t1_first[t->shapes[k].open_low[0] + 1]++;
+    for (int b = 0; b < 256; b++) t->t1_first[b + 1] += t->t1_first[b];
+    uint32_t fill[256];
+    memcpy(fill, t->t1_first, sizeof(fill));
+    for (size_t k = 0; k < t->nshapes; k++) t->t1_shapes[fill[t->shapes[k].open_low[0]]++] = (uint32_t)k;
+    qsort(pairs, npairs, sizeof(uint64_t), cmp_u64v);
+    size_t nkeys = 0;
+    for (size_t i = 0; i < npairs; i++) nkeys += !i || (pairs[i] >> 16) != (pairs[i - 1] >> 16);
+    size_t size = pow2_at_least(2 * nkeys + 2);
+    t->k3 = xcalloc(size, sizeof(key3_t));
+    t->k3_shapes = xmalloc(npairs ? npairs : 1, sizeof(uint32_t));
+    if (!t->k3 || !t->k3_shapes) {
+        free(pairs);
+        return SCRUB_ENOMEM;
+    }
+    t->k3_mask = size - 1;
+    t->footprint += size * sizeof(key3_t) + npairs * sizeof(uint32_t);
+    for (size_t i = 0; i < npairs;) {
+        uint32_t key = (uint32_t)(pairs[i] >> 16);
+        size_t j = i;
+        while (j < npairs && (uint32_t)(pairs[j] >> 16) == key) {
+            t->k3_shapes[j] = (uint32_t)(pairs[j] & 0xFFFF);
+            j++;
+        }
+        size_t slot = key3_slot(key, t->k3_mask);
+        while (t->k3[slot].key) slot = (slot + 1) & t->k3_mask;
+        t->k3[slot].key = key + 1;
+        t->k3[slot].first = (uint32_t)i;
+        t->k3[slot].count = (uint32_t)(j - i);
+        i = j;
+    }
+    free(pairs);
+    return SCRUB_OK;
+}
+
 /* A rough model of the text being scrubbed (English, code, JSON), used only to choose which
  * shapes share a bucket of the nibble filter: the cost of a bucket is the weight of what it lets
  * through. */
@@ -587,7 +698,11 @@ static double text_weight(unsigned b) {
     if (b >= '0' && b <= '9') return 0.4;
     if (b == ' ') return 16.0;
     if (b == '\n') return 2.0;
-    if (strchr("._-,()\"':=/[]{}", (int)b) && b) return 0.6;
+    /* measured on source code (CPython's standard library): '_' 1.7 %, '.' 1.2 %, '(' and ')'
+     * 1.1 % each of the bytes, against about 7 % for 'e' */
+    if (b == '_') return 2.2;
+    if (b == '.' || b == '(' || b == ')') return 1.6;
+    if (strchr("-,\"':=/[]{}", (int)b) && b) return 0.6;
     if (b >= 0x21 && b < 0x7f) return 0.1;
     if (b >= 0x80) return 0.01;
     return 0.005;
@@ -597,15 +712,35 @@ typedef struct {
     uint16_t lo[4], hi[4]; /* nibble sets per offset */
 } tbucket_t;
 
-static double bucket_cost(const tbucket_t *b, const double *w) {
+/* w[h][half][m]: the weight of the bytes with high nibble h and a low nibble in the 8-bit mask m
+ * of the low (half 0) or high (half 1) eight low nibbles, so a bucket's cost takes 128 sums, not
+ * 1,024 (the greedy merge below evaluates thousands of buckets for a large shape set). */
+typedef double wtab_t[16][2][256];
+
+static void weight_table(wtab_t w) {
+    double one[256];
+    for (unsigned c = 0; c < 256; c++) one[c] = text_weight(c);
+    for (unsigned h = 0; h < 16; h++) {
+        for (unsigned half = 0; half < 2; half++) {
+            const double *row = one + h * 16 + half * 8;
+            w[h][half][0] = 0.0;
+            for (unsigned m = 1; m < 256; m++) { /* m without its lowest bit, plus that bit */
+                unsigned low = (unsigned)__builtin_ctz(m);
+                w[h][half][m] = w[h][half][m & (m - 1)] + row[low];
+            }
+        }
+    }
+}
+
+static double bucket_cost(const tbucket_t *b, wtab_t w) {
     double cost = 1.0;
     for (int j = 0; j < 4; j++) {
         double sum = 0.0;
-        for (unsigned h = 0; h < 16; h++) {
-            if (!((b->hi[j] >> h) & 1)) continue;
-            for (unsigned l = 0; l < 16; l++) {
-                if ((b->lo[j] >> l) & 1) sum += w[h * 16 + l];
-            }
+        unsigned lo = b->lo[j], hm = b->hi[j];
+        while (hm) {
+            unsigned h = (unsigned)__builtin_ctz(hm);
+            hm &= hm - 1;
+            sum += w[h][0][lo & 0xFF] + w[h][1][lo >> 8];
         }
         cost *= sum;
     }
@@ -624,16 +759,18 @@ static void bucket_merge(tbucket_t *into, const tbucket_t *from) {
     }
 }
 
-/* The bytes shape sh lets through at offsets 0..3 of a match: its opening literal, then the
- * first byte of the next segment when that segment must take one, then anything. A shape whose
- * match would begin at p can only do so (or need more text) when the bytes at p..p+3 pass. */
-static void shape_bucket(const scrub_tables *t, const shape_t *sh, tbucket_t *b) {
+/* The bytes shape sh lets through at offsets shift..shift+3 of a match: its opening literal,
+ * then the first byte of the next segment when that segment must take one, then anything. A
+ * shape whose match would begin at p can only do so (or need more text) when the bytes at
+ * p+shift..p+shift+3 pass. */
+static void shape_bucket(const scrub_tables *t, const shape_t *sh, tbucket_t *b, int shift) {
     memset(b, 0, sizeof(*b));
     const seg_t *open = &t->segs[sh->seg_first];
     const uint8_t *lit = t->blob + open->lit_off;
     for (int j = 0; j < 4; j++) {
-        if ((uint32_t)j < open->lit_len) {
-            uint8_t c = lit[j];
+        int pos = j + shift; /* the offset in the match of the byte at filter offset j */
+        if ((uint32_t)pos < open->lit_len) {
+            uint8_t c = lit[pos];
             bucket_add(b, j, c);
             if (open->fold) {
                 bucket_add(b, j, lower(c));
@@ -641,7 +778,7 @@ static void shape_bucket(const scrub_tables *t, const shape_t *sh, tbucket_t *b)
             }
             continue;
         }
-        const seg_t *next = (uint32_t)j == open->lit_len && sh->nseg > 1 && sh->optional_from != 1
+        const seg_t *next = (uint32_t)pos == open->lit_len && sh->nseg > 1 && sh->optional_from != 1
                                 ? &t->segs[sh->seg_first + 1]
                                 : NULL;
         if (next && next->kind == SEG_LITERAL) {
@@ -662,65 +799,161 @@ static void shape_bucket(const scrub_tables *t, const shape_t *sh, tbucket_t *b)
     }
 }
 
-#define TED_START 64
+#define TED_START 256
+
+static size_t row_min(double (*extra)[TED_START], size_t nb, size_t a) {
+    size_t best = a ? 0 : 1;
+    for (size_t b = 0; b < nb; b++) {
+        if (b != a && extra[a][b] < extra[a][best]) best = b;
+    }
+    return best;
+}
 #define TED_BUCKETS 16
 
-/* Shapes into 16 buckets: at most TED_START to begin with (equal ones merge for free), then the
- * two whose union lets through the least extra text merge, until 16 remain. */
-static void build_teddy(scrub_tables *t, int simd) {
-    double w[256];
-    for (unsigned c = 0; c < 256; c++) w[c] = text_weight(c);
+/* Shapes into 16 buckets: at most TED_START to begin with (equal ones merge for free; beyond
+ * that, arbitrary merges would make the filter let through most text: with 64 and the ~150
+ * distinct openings of the default shapes it passed one position in 7 of source code), then
+ * the two whose union lets through the least extra text merge, until 16 remain. */
+/* avoid: for each opening fingerprint (in the order they are met), the bucket the first filter
+ * put it in; the second filter then keeps those apart (a merge of two buckets holding openings
+ * the first filter merged costs AVOID more), so that what the first lets through by mixing two
+ * openings, the second refuses. owner (out): each fingerprint's bucket. */
+#define AVOID 1e12
+static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t *owner,
+                      uint8_t lo_out[2][4][16], uint8_t hi_out[2][4][16]) {
     tbucket_t bk[TED_START];
     double cost[TED_START];
-    size_t nb = 0;
+    uint32_t amask[TED_START]; /* the first filter's buckets of a bucket's fingerprints */
+    size_t own[TED_START];     /* own[f]: the bucket fingerprint f is in now */
+    size_t nb = 0, nf = 0;
     for (size_t k = 0; k < t->nshapes; k++) {
         tbucket_t b;
-        shape_bucket(t, &t->shapes[k], &b);
+        shape_bucket(t, &t->shapes[k], &b, shift);
         size_t i = 0;
         while (i < nb && memcmp(&bk[i], &b, sizeof(b)) != 0) i++;
         if (i < nb) continue;
         if (nb < TED_START) {
+            amask[nb] = avoid ? 1u << avoid[nb] : 0;
+            own[nf++] = nb;
             bk[nb++] = b;
         } else {
             bucket_merge(&bk[k % TED_START], &b);
         }
     }
-    for (size_t i = 0; i < nb; i++) cost[i] = bucket_cost(&bk[i], w);
-    while (nb > TED_BUCKETS) {
-        size_t best_a = 0, best_b = 1;
-        double best = -1.0;
-        tbucket_t best_u;
-        memset(&best_u, 0, sizeof(best_u));
-        for (size_t a = 0; a < nb; a++) {
-            for (size_t b = a + 1; b < nb; b++) {
-                tbucket_t u = bk[a];
-                bucket_merge(&u, &bk[b]);
-                double extra = bucket_cost(&u, w) - cost[a] - cost[b];
-                if (best < 0.0 || extra < best) {
-                    best = extra;
-                    best_a = a;
-                    best_b = b;
-                    best_u = u;
-                }
+    double(*w)[2][256] = malloc(sizeof(wtab_t));
+    double(*extra)[TED_START] = w ? malloc(sizeof(double) * TED_START * TED_START) : NULL;
+    if (!extra) { /* no memory: a coarser filter, still letting every shape through */
+        for (size_t i = TED_BUCKETS; i < nb; i++) bucket_merge(&bk[i % TED_BUCKETS], &bk[i]);
+        for (size_t f = 0; f < nf; f++) own[f] %= TED_BUCKETS;
+        if (nb > TED_BUCKETS) nb = TED_BUCKETS;
+    } else {
+        weight_table(w);
+    }
+    for (size_t i = 0; extra && i < nb; i++) cost[i] = bucket_cost(&bk[i], w);
+    /* extra[a][b]: what merging a and b lets through beyond each alone. Kept between rounds and
+     * recomputed only for the bucket a merge changed (with a hundred shapes and more, computing
+     * every pair every round took tens of milliseconds per table set). */
+    for (size_t a = 0; extra && a < nb; a++) {
+        for (size_t b = a + 1; b < nb; b++) {
+            tbucket_t u = bk[a];
+            bucket_merge(&u, &bk[b]);
+            extra[a][b] = extra[b][a] =
+                bucket_cost(&u, w) - cost[a] - cost[b] + ((amask[a] & amask[b]) ? AVOID : 0.0);
+        }
+    }
+    /* rmin[a]: a partner b of a with, as far as is known, the least extra[a][b]: never more than
+     * the row's least after a round (a lower new entry replaces it), but it may be stale and too
+     * low (its entry rose); the row with the least is checked against its whole row before it
+     * merges (lazy greedy: a few rows a round, not nb) */
+    size_t rmin[TED_START];
+    double rval[TED_START];
+    for (size_t a = 0; extra && a < nb; a++) {
+        rmin[a] = row_min(extra, nb, a);
+        rval[a] = extra[a][rmin[a]];
+    }
+    while (extra && nb > TED_BUCKETS) {
+        size_t best_a;
+        for (;;) {
+            best_a = 0;
+            for (size_t a = 1; a < nb; a++) {
+                if (rval[a] < rval[best_a]) best_a = a;
+            }
+            size_t r = row_min(extra, nb, best_a);
+            if (r == rmin[best_a] && extra[best_a][r] == rval[best_a]) break;
+            rmin[best_a] = r; /* stale: the row's true least, then choose again */
+            rval[best_a] = extra[best_a][r];
+        }
+        size_t best_b = rmin[best_a];
+        if (best_b < best_a) {
+            size_t x = best_a;
+            best_a = best_b;
+            best_b = x;
+        }
+        size_t last = nb - 1;
+        bucket_merge(&bk[best_a], &bk[best_b]);
+        cost[best_a] = bucket_cost(&bk[best_a], w);
+        amask[best_a] |= amask[best_b];
+        /* the last bucket takes best_b's place, with its row of the matrix */
+        bk[best_b] = bk[last];
+        cost[best_b] = cost[last];
+        amask[best_b] = amask[last];
+        rmin[best_b] = rmin[last];
+        rval[best_b] = rval[last];
+        for (size_t f = 0; f < nf; f++) {
+            if (own[f] == best_b) own[f] = best_a;
+            if (own[f] == last) own[f] = best_b;
+        }
+        for (size_t i = 0; i < last; i++) {
+            if (i != best_b) extra[i][best_b] = extra[best_b][i] = extra[i][last];
+        }
+        nb--;
+        for (size_t i = 0; i < nb; i++) {
+            if (i == best_a) continue;
+            tbucket_t u = bk[best_a];
+            bucket_merge(&u, &bk[i]);
+            extra[i][best_a] = extra[best_a][i] = bucket_cost(&u, w) - cost[best_a] - cost[i] +
+                                                  ((amask[best_a] & amask[i]) ? AVOID : 0.0);
+        }
+        rmin[best_a] = row_min(extra, nb, best_a);
+        rval[best_a] = extra[best_a][rmin[best_a]];
+        for (size_t i = 0; i < nb; i++) {
+            if (i == best_a) continue;
+            if (rmin[i] == last) rmin[i] = best_b; /* the moved bucket's new index */
+            if (rmin[i] == i || rmin[i] >= nb) {
+                rmin[i] = row_min(extra, nb, i);
+                rval[i] = extra[i][rmin[i]];
+            } else if (extra[i][best_a] < rval[i]) {
+                rmin[i] = best_a;
+                rval[i] = extra[i][best_a];
             }
         }
-        bk[best_a] = best_u;
-        cost[best_a] = bucket_cost(&best_u, w);
-        bk[best_b] = bk[nb - 1];
-        cost[best_b] = cost[nb - 1];
-        nb--;
     }
-    memset(t->ted_lo, 0, sizeof(t->ted_lo));
-    memset(t->ted_hi, 0, sizeof(t->ted_hi));
+    free(extra);
+    free(w);
+    for (size_t f = 0; owner && f < nf; f++) owner[f] = (uint8_t)own[f];
+    memset(lo_out, 0, 2 * 4 * 16);
+    memset(hi_out, 0, 2 * 4 * 16);
     for (size_t i = 0; i < nb; i++) {
         uint8_t bit = (uint8_t)(1u << (i % 8));
         for (int j = 0; j < 4; j++) {
             for (unsigned x = 0; x < 16; x++) {
-                if ((bk[i].lo[j] >> x) & 1) t->ted_lo[i / 8][j][x] |= bit;
-                if ((bk[i].hi[j] >> x) & 1) t->ted_hi[i / 8][j][x] |= bit;
+                if ((bk[i].lo[j] >> x) & 1) lo_out[i / 8][j][x] |= bit;
+                if ((bk[i].hi[j] >> x) & 1) hi_out[i / 8][j][x] |= bit;
             }
         }
     }
+}
+
+/* Two nibble filters on the bytes at offsets 0..3 of a match, the second for the positions the
+ * first lets through. With a hundred and more distinct shape openings, 16 buckets merge openings
+ * so far apart that the first alone let through one position in 20 of prose; the second groups
+ * the openings otherwise (build_ted's avoid), so a string that passes the first by taking bytes
+ * of two openings it merged does not pass the second (a third on offsets 1..4 cut source code's
+ * candidates by a further 45 % but cost a third table build). */
+static void build_teddy(scrub_tables *t, int simd) {
+    uint8_t first[TED_START];
+    build_ted(t, 0, NULL, first, t->ted_lo, t->ted_hi);
+    build_ted(t, 0, first, NULL, t->ted2_lo, t->ted2_hi);
 #if defined(SCRUB_AVX2)
     __builtin_cpu_init();
     t->simd = simd && t->nshapes > 0 && __builtin_cpu_supports("avx2");
@@ -832,12 +1065,27 @@ int scrub_tables_new(const char *blob, size_t blob_len, const int32_t *names, si
             if (!blob_ok(t, r[7], 32)) goto fail;
             s->not_after = t->blob + r[7];
         }
+        /* 2**8 in 16.16 is the most (8 bits per byte); the integers of entropy_ok fit 64 bits */
+        if (r[8] < CHECK_NONE || r[8] > CHECK_CRC32_BASE62 || r[9] < 0 || r[9] > (1 << 24) ||
+            r[10] < PH_NONE || r[10] > PH_VALUE)
+            goto fail;
+        s->check = (uint8_t)r[8];
+        s->entropy_k = (uint32_t)r[9];
+        s->placeholder = (uint8_t)r[10];
+        if (r[11] == -1) {
+            s->not_before = NULL;
+        } else {
+            if (!blob_ok(t, r[11], 32)) goto fail;
+            s->not_before = t->blob + r[11];
+        }
         for (int b = 0; b < 3; b++) s->open_low[b] = lower(t->blob[first->lit_off + (uint32_t)b]);
         if ((size_t)nseg > t->max_nseg) t->max_nseg = (size_t)nseg;
     }
     rc = build_literals(t);
     if (rc) goto fail;
     rc = build_shapes(t);
+    if (rc) goto fail;
+    rc = build_key3(t);
     if (rc) goto fail;
     build_teddy(t, !(flags & SCRUB_NO_SIMD));
     *out = t;
@@ -953,8 +1201,11 @@ struct scrub_work {
     size_t nrec, rcap;
     smatch_t *ms; /* shape matches found by one advance */
     size_t nms, mcap;
-    int64_t *next_at; /* per shape */
+    int64_t *next_at; /* per shape, valid when its sepoch is epoch (set on the shape's first try
+                       * in a call: a call does not touch every shape of a large set) */
     uint8_t *stopped;
+    uint32_t *sepoch;
+    uint32_t epoch;
     size_t scap;
     int64_t *bounds; /* 2 per segment */
     size_t bcap;
@@ -975,6 +1226,8 @@ typedef struct {
     int64_t live; /* smallest position where a match may still begin */
     scrub_work *sc;
     int err;
+    const int64_t *next_allowed; /* the stream's, for the shapes' first try in this call */
+    int64_t base;
 } scan_t;
 
 int scrub_work_new(scrub_work **out) {
@@ -990,6 +1243,7 @@ static void work_release(scrub_work *w) {
     free(w->ms);
     free(w->next_at);
     free(w->stopped);
+    free(w->sepoch);
     free(w->bounds);
     free(w->skel);
     free(w->soff);
@@ -1000,6 +1254,7 @@ static void work_release(scrub_work *w) {
     w->recs = NULL;
     w->ms = NULL;
     w->next_at = w->bounds = NULL;
+    w->sepoch = NULL;
     w->soff = NULL;
     w->out_len = w->out_cap = w->nrec = w->rcap = w->nms = w->mcap = w->scap = w->bcap =
         w->zcap = 0;
@@ -1044,9 +1299,11 @@ static int work_prepare(scrub_work *w, const scrub_tables *t, const uint8_t *in,
     if (w->scap < t->nshapes) {
         free(w->next_at);
         free(w->stopped);
+        free(w->sepoch);
         w->next_at = xmalloc(t->nshapes, sizeof(int64_t));
         w->stopped = xmalloc(t->nshapes, 1);
-        w->scap = (w->next_at && w->stopped) ? t->nshapes : 0;
+        w->sepoch = xcalloc(t->nshapes, sizeof(uint32_t));
+        w->scap = (w->next_at && w->stopped && w->sepoch) ? t->nshapes : 0;
         if (!w->scap) return SCRUB_ENOMEM;
     }
     if (w->bcap < t->max_nseg) {
@@ -1339,9 +1596,131 @@ static int64_t match_segment(const scrub_tables *t, const seg_t *g, const uint8_
     return j - i < g->min ? NO_MATCH : (int64_t)j;
 }
 
+/* ---- post-match validators of a shape's body (scrub_patterns: Shape.body_ok) ---- */
+
+/* scrub_patterns.PLACEHOLDER_WORDS, lowercase; matched as written, in upper case or capitalized */
+static const char *const PLACEHOLDER_WORDS[] = {
+    "example", "sample", "dummy", "placeholder", "your", "changeme", "redacted", "xxxx", "fake",
+};
+#define PLACEHOLDER_RUN 6 /* scrub_patterns.PLACEHOLDER_RUN */
+
+/* scrub_patterns.is_template_value without its last rule (a run of equal bytes) */
+static int is_template(const uint8_t *b, size_t n) {
+    /* templates: ${ $( {{ %( %{ anywhere (shell, Jinja/Go/Helm, printf) */
+    for (size_t i = 0; i + 1 < n; i++) {
+        uint8_t a = b[i], z = b[i + 1];
+        if ((a == '$' && (z == '{' || z == '(')) || (a == '{' && z == '{') ||
+            (a == '%' && (z == '(' || z == '{')))
+            return 1;
+    }
+    if (n >= 2 && ((b[0] == '<' && b[n - 1] == '>') || (b[0] == '{' && b[n - 1] == '}')))
+        return 1; /* <your-token>, {Key} */
+    if (n >= 2 && b[0] == '$') {                           /* $API_KEY */
+        size_t i = 1;
+        while (i < n && ((b[i] >= 'A' && b[i] <= 'Z') || (b[i] >= '0' && b[i] <= '9') || b[i] == '_'))
+            i++;
+        if (i == n) return 1;
+    }
+    return 0;
+}
+
+/* scrub_patterns.is_template_value */
+static int is_template_value(const uint8_t *b, size_t n) {
+    if (is_template(b, n)) return 1;
+    unsigned run = 1;
+    for (size_t i = 1; i < n; i++) {
+        run = b[i] == b[i - 1] ? run + 1 : 1;
+        if (run >= PLACEHOLDER_RUN) return 1;
+    }
+    return 0;
+}
+
+/* scrub_patterns.is_placeholder */
+static int is_placeholder(const uint8_t *b, size_t n) {
+    for (size_t w = 0; w < sizeof(PLACEHOLDER_WORDS) / sizeof(PLACEHOLDER_WORDS[0]); w++) {
+        const uint8_t *word = (const uint8_t *)PLACEHOLDER_WORDS[w];
+        size_t wl = strlen(PLACEHOLDER_WORDS[w]);
+        for (size_t i = 0; i + wl <= n; i++) {
+            uint8_t c = b[i];
+            if (c != word[0] && c != word[0] - 32) continue;
+            /* after the first letter: all lower case, or all upper case after an upper one */
+            size_t q = 1;
+            while (q < wl && b[i + q] == word[q]) q++;
+            if (q == wl) return 1;
+            if (c == word[0]) continue;
+            q = 1;
+            while (q < wl && b[i + q] == word[q] - 32) q++;
+            if (q == wl) return 1;
+        }
+    }
+    if (is_template(b, n)) return 1;
+    unsigned same = 1, up = 1, down = 1;
+    for (size_t i = 1; i < n; i++) {
+        int d = (int)b[i] - (int)b[i - 1];
+        same = d == 0 ? same + 1 : 1;
+        up = d == 1 ? up + 1 : 1;
+        down = d == -1 ? down + 1 : 1;
+        if (same >= PLACEHOLDER_RUN || up >= PLACEHOLDER_RUN || down >= PLACEHOLDER_RUN) return 1;
+    }
+    return 0;
+}
+
+/* scrub_patterns.entropy_ok: n**2 * 2**16 >= k * sum(count**2); n <= 65536 (Shape checks it
+ * and the wrapper passes only such shapes) and k <= 2**24, so both sides fit 64 bits. */
+static int entropy_ok(uint32_t k, const uint8_t *b, size_t n) {
+    uint32_t count[256] = {0};
+    for (size_t i = 0; i < n; i++) count[b[i]]++;
+    uint64_t squares = 0;
+    for (int c = 0; c < 256; c++) squares += (uint64_t)count[c] * count[c];
+    return (uint64_t)n * n * 65536u >= (uint64_t)k * squares;
+}
+
+/* CRC-32 (ISO-HDLC, zlib's), bit by bit: bodies are short and this runs once per match. */
+static uint32_t crc32_of(const uint8_t *b, size_t n) {
+    uint32_t crc = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; i++) {
+        crc ^= b[i];
+        for (int k = 0; k < 8; k++) crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+
+static int base62_digit(uint8_t c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'A' && c <= 'Z') return c - 'A' + 10;
+    if (c >= 'a' && c <= 'z') return c - 'a' + 36;
+    return -1;
+}
+
+/* scrub_patterns.checksum_ok */
+static int checksum_ok(uint8_t check, const uint8_t *b, size_t n) {
+    if (check != CHECK_CRC32_BASE62) return 1;
+    if (n <= 6) return 0;
+    uint64_t v = 0;
+    for (size_t i = n - 6; i < n; i++) {
+        int d = base62_digit(b[i]);
+        if (d < 0) return 0;
+        v = v * 62 + (uint64_t)d;
+    }
+    return v == (uint64_t)crc32_of(b, n - 6);
+}
+
+static int body_ok(const shape_t *sh, const uint8_t *b, size_t n) {
+    if (sh->placeholder == PH_TOKEN && is_placeholder(b, n)) return 0;
+    if (sh->placeholder == PH_VALUE && is_template_value(b, n)) return 0;
+    if (sh->entropy_k && !entropy_ok(sh->entropy_k, b, n)) return 0;
+    return checksum_ok(sh->check, b, n);
+}
+
 /* Shape k at p (not_after checked): records a match, or sets live on NEED_MORE. */
 static void try_shape(scan_t *c, size_t k, size_t p) {
     scrub_work *sc = c->sc;
+    if (sc->sepoch[k] != sc->epoch) {
+        int64_t a = c->next_allowed[k] - c->base;
+        sc->sepoch[k] = sc->epoch;
+        sc->next_at[k] = a > 0 ? a : 0;
+        sc->stopped[k] = 0;
+    }
     if (sc->stopped[k] || (int64_t)p < sc->next_at[k]) return;
     const scrub_tables *t = c->t;
     const shape_t *sh = &t->shapes[k];
@@ -1371,6 +1750,18 @@ static void try_shape(scan_t *c, size_t k, size_t p) {
         nb++;
         i = (size_t)e;
     }
+    int rejected = 0;
+    if (sh->not_before) {
+        if (i == c->n) {
+            if (!c->eof) { /* the next byte decides */
+                set_live(c, p);
+                sc->stopped[k] = 1;
+                return;
+            }
+        } else if (bit_of(sh->not_before, c->S[i])) {
+            rejected = 1;
+        }
+    }
     int64_t last = ((int64_t)nb < sh->redact_to ? (int64_t)nb : sh->redact_to) - 1;
     int64_t r0, r1;
     if (sh->redact_from < (int64_t)nb && last >= sh->redact_from) {
@@ -1378,6 +1769,19 @@ static void try_shape(scan_t *c, size_t k, size_t p) {
         r1 = bounds[2 * last + 1];
     } else {
         r0 = r1 = (int64_t)i;
+    }
+    if (!rejected && (sh->check || sh->entropy_k || sh->placeholder)) {
+        /* the body: the redacted segments less the opening literal */
+        int64_t first = sh->redact_from > 1 ? sh->redact_from : 1;
+        int64_t b0 = first <= last ? bounds[2 * first] : r1;
+        rejected = !body_ok(sh, c->S + b0, (size_t)(r1 - b0));
+    }
+    if (rejected) {
+        /* redacts nothing, but the shape goes on after it as after a match (the reference's
+         * match_shape says why) */
+        add_match(c, (int64_t)k, (int64_t)p, (int64_t)i, (int64_t)i, (int64_t)i);
+        sc->next_at[k] = (int64_t)i;
+        return;
     }
     add_match(c, (int64_t)k, (int64_t)p, (int64_t)i, r0, r1);
     if (r1 > r0) {
@@ -1395,29 +1799,35 @@ static void try_shape(scan_t *c, size_t k, size_t p) {
     sc->next_at[k] = (int64_t)i;
 }
 
-/* Shapes at p (p + 3 <= n): the groups the prefilter lets through, then each shape in them
- * whose opening literal is not already refused by the bytes there. */
-static void shape_at(scan_t *c, size_t p) {
+/* Shapes at p (p + 3 <= n): if the prefilter lets the three bytes through, the shapes that open
+ * with exactly them (table k3), each whose opening literal the bytes after do not refuse. */
+static __attribute__((noinline)) void shape_at_key(scan_t *c, size_t p) {
     const scrub_tables *t = c->t;
     const uint8_t *s = c->S + p;
-    uint64_t m = t->tri[s[0]] & (t->tri[s[1]] >> GROUPS) & (t->tri[s[2]] >> (2 * GROUPS)) & LANE;
+    uint32_t key = key3_of(s);
+    size_t slot = key3_slot(key, t->k3_mask);
+    while (t->k3[slot].key && t->k3[slot].key != key + 1) slot = (slot + 1) & t->k3_mask;
+    if (!t->k3[slot].key) return;
     size_t avail = c->n - p;
-    while (m) {
-        unsigned g = (unsigned)__builtin_ctzll(m);
-        m &= m - 1;
-        for (uint32_t q = t->gfirst[g]; q < t->gfirst[g + 1]; q++) {
-            uint32_t k = t->gshapes[q];
-            const seg_t *seg = &t->segs[t->shapes[k].seg_first];
-            const uint8_t *lit = t->blob + seg->lit_off;
-            size_t len = seg->lit_len < avail ? seg->lit_len : avail, j = 0;
-            if (seg->fold) {
-                while (j < len && lower(s[j]) == lower(lit[j])) j++;
-            } else {
-                while (j < len && s[j] == lit[j]) j++;
-            }
-            if (j == len) try_shape(c, k, p);
+    for (uint32_t q = t->k3[slot].first, e = q + t->k3[slot].count; q < e; q++) {
+        uint32_t k = t->k3_shapes[q];
+        const seg_t *seg = &t->segs[t->shapes[k].seg_first];
+        const uint8_t *lit = t->blob + seg->lit_off;
+        size_t len = seg->lit_len < avail ? seg->lit_len : avail, j = 3;
+        if (seg->fold) {
+            while (j < len && lower(s[j]) == lower(lit[j])) j++;
+        } else {
+            while (j < len && s[j] == lit[j]) j++;
         }
+        if (j == len) try_shape(c, k, p);
     }
+}
+
+/* The TRI lanes first, inline (most candidates of the nibble filter stop there). */
+static inline __attribute__((always_inline)) void shape_at(scan_t *c, size_t p) {
+    const uint64_t *tri = c->t->tri;
+    const uint8_t *s = c->S + p;
+    if (tri[s[0]] & (tri[s[1]] >> GROUPS) & (tri[s[2]] >> (2 * GROUPS)) & LANE) shape_at_key(c, p);
 }
 
 /* Shapes at p with fewer than 3 bytes left (not at the end of the stream): every shape whose
@@ -1425,10 +1835,12 @@ static void shape_at(scan_t *c, size_t p) {
 static void shape_tail(scan_t *c, size_t p) {
     const scrub_tables *t = c->t;
     size_t m = c->n - p;
-    if (!bit_of(t->open_first, lower(c->S[p]))) return;
-    for (size_t k = 0; k < t->nshapes; k++) {
+    uint8_t first = lower(c->S[p]);
+    if (!bit_of(t->open_first, first)) return;
+    for (uint32_t i = t->t1_first[first]; i < t->t1_first[first + 1]; i++) {
+        uint32_t k = t->t1_shapes[i];
         const uint8_t *o = t->shapes[k].open_low;
-        size_t q = 0;
+        size_t q = 1;
         while (q < m && lower(c->S[p + q]) == o[q]) q++;
         if (q == m) try_shape(c, k, p);
     }
@@ -1503,6 +1915,29 @@ static inline __attribute__((always_inline)) size_t fast_blocks(scan_t *c, int l
  * filter (then shape_at, exact, at each candidate) and the literals' 4-gram probes whose blocks
  * begin there (block [lb, lb + 5) is probed at lb + 4, as in fast_blocks). Returns the first
  * position whose shapes are not covered; *lit_next: the first literal position not covered. */
+/* A nibble filter's mask for the 32 positions at q (tables from memory: the rare path). */
+__attribute__((target("avx2"))) static inline uint32_t ted_mask(const uint8_t lo_t[2][4][16],
+                                                                const uint8_t hi_t[2][4][16],
+                                                                const uint8_t *q) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    __m256i qa = _mm256_set1_epi8(-1), qb = qa;
+    for (int j = 0; j < 4; j++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + j));
+        __m256i l = _mm256_and_si256(v, nib);
+        __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        __m256i l0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo_t[0][j]));
+        __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi_t[0][j]));
+        __m256i l1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo_t[1][j]));
+        __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi_t[1][j]));
+        qa = _mm256_and_si256(qa, _mm256_and_si256(_mm256_shuffle_epi8(l0, l),
+                                                   _mm256_shuffle_epi8(h0, h)));
+        qb = _mm256_and_si256(qb, _mm256_and_si256(_mm256_shuffle_epi8(l1, l),
+                                                   _mm256_shuffle_epi8(h1, h)));
+    }
+    return ~(uint32_t)_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_or_si256(qa, qb), _mm256_setzero_si256()));
+}
+
 __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, size_t *lit_next) {
     const scrub_tables *t = c->t;
     const uint8_t *S = c->S;
@@ -1545,6 +1980,8 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
             }
         }
         if (__builtin_expect(m != 0, 0)) {
+            /* the second filter (its tables from memory: the rare path) */
+            m &= ted_mask(t->ted2_lo, t->ted2_hi, S + p);
             while (m) {
                 shape_at(c, p + (size_t)__builtin_ctz(m));
                 m &= m - 1;
@@ -1677,13 +2114,12 @@ static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t 
 
     /* scan */
     const int64_t base = st->base;
-    for (size_t k = 0; k < t->nshapes; k++) {
-        int64_t a = st->next_allowed[k] - base;
-        sc->next_at[k] = a > 0 ? a : 0;
-        sc->stopped[k] = 0;
+    if (++sc->epoch == 0) { /* wrapped: no entry may look current */
+        memset(sc->sepoch, 0, t->nshapes * sizeof(uint32_t));
+        sc->epoch = 1;
     }
     sc->nrec = sc->nms = 0;
-    scan_t c = {t, S, n, eof, st->prev, INT64_MAX, sc, SCRUB_OK};
+    scan_t c = {t, S, n, eof, st->prev, INT64_MAX, sc, SCRUB_OK, st->next_allowed, base};
     scan(&c);
     if (c.err) return c.err;
 

@@ -26,10 +26,13 @@
  *   names   [off, len]                               per name (literal and shape names)
  *   lits    [off, len, name, window]                 per literal, in priority order
  *   shapes  [seg_first, seg_count, redact_from, redact_to, name_from, optional_from, name,
- *            not_after_off]                          per shape (-1: none, for the last three
- *                                                    that may be; redact_to is resolved)
+ *            not_after_off, check, entropy_k,        per shape (-1: none, for the three that
+ *            placeholder, not_before_off]            may be; redact_to is resolved; check,
+ *                                                    entropy_k, placeholder: the validators,
+ *                                                    0 for none, scrub_patterns.Shape)
  *   segs    [kind, fold, lit_off, lit_len, class_off, min, max, stop_off, stop_len, suf_first,
  *            suf_count]                              per segment; class_off and not_after_off
+ *                                                    and not_after_off / not_before_off
  *                                                    name 32-byte bitmaps (bit b of byte b/8)
  *   sufs    [off, len]                               per suffix, lowercase
  */
@@ -52,7 +55,7 @@
 
 #define SCRUB_NAME_FIELDS 2
 #define SCRUB_LIT_FIELDS 4
-#define SCRUB_SHAPE_FIELDS 8
+#define SCRUB_SHAPE_FIELDS 12
 #define SCRUB_SEG_FIELDS 11
 #define SCRUB_SUF_FIELDS 2
 

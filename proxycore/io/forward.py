@@ -26,7 +26,11 @@ builds on this module's steps; the connection hands it there (`takes_duplex`).
 
 Response (proxycore/protocol/responses.py decides): no body; a small body read whole, scrubbed
 and sent with its new length (to an agent's HTTP/2 stream as status and fields:
-`StreamPipe.send_response`); or a stream through the scrubber. A broken upstream before any
+`StreamPipe.send_response`); or a stream through the scrubber. Around the scrubber, by body:
+`text/event-stream` goes through the SSE layer (proxycore/protocol/sse_scrub.py: each text
+channel scrubbed over its concatenated deltas), gRPC through its message scrubber, and a
+compressed body (declared, or gzip/zlib bytes labelled identity) is decoded before and encoded
+again after (proxycore/protocol/codings.py). A broken upstream before any
 response byte went to the agent is a 502 (or 504) the agent can read; after, the connection is
 closed (the only signal left) and the journal names why (`RequestAllowed.ended`).
 """
@@ -43,12 +47,14 @@ from proxycore.io.progress import RECV_SIZE, Phase, Refused, upstream_refusal
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.io.upstream_h2_stream import H2Stream
 from proxycore.protocol import http1
+from proxycore.protocol.codings import Filter, Recoder, sniffable
 from proxycore.protocol.events import CredentialInjected
 from proxycore.protocol.exchange import REPLAYABLE_BODY
 from proxycore.protocol.grpc import MessageScrubber, is_grpc
 from proxycore.protocol.plans import Forward, Refuse
 from proxycore.protocol.responses import WHOLE_BODY, BodyMode, ResponsePlan, plan_response
 from proxycore.protocol.scrubbing import MarkerCount, redactions
+from proxycore.protocol.sse_scrub import SseScrubber, is_event_stream
 from proxycore.protocol.trailers import accepts_trailers, relayable, scrubbed_section, section
 
 if TYPE_CHECKING:
@@ -124,10 +130,8 @@ async def relay_response(
             budget.used -= length
         body = bytes(buffer[:length])
         del buffer[:length]
-        scrubbed = conn.runtime.scrubbers.current.scrub(body) if body else body
+        scrubbed = _scrub_whole(conn, plan, response, body) if body else body
         progress.bytes_down = sent_length = len(scrubbed)
-        if body:
-            progress.redactions = redactions(body, scrubbed)
     conn.response_started = True
     if conn.pipe is None:
         out = decided.head(sent_length)
@@ -142,6 +146,56 @@ async def relay_response(
         upstream.close()
     conn.emit_allowed(decided.status)
     return decided.keep_client
+
+
+def _scrub_whole(
+    conn: ClientConnection, plan: Forward, response: http1.ResponseHead, body: bytes
+) -> bytes:
+    """A body read whole, scrubbed: in one call, or through the SSE layer (an event stream),
+    or decoded and encoded again (gzip/zlib bytes labelled identity; refused 502 if they do
+    not decode or inflate past a bound)."""
+    progress = conn.progress
+    assert progress is not None
+    scrubber = conn.runtime.scrubbers.current
+    content_type = response.get(b"content-type")
+    sse = is_event_stream(content_type)
+    if not sse and (not sniffable(content_type) or not Recoder.sniffs(body)):
+        scrubbed = scrubber.scrub(body)
+        progress.redactions = redactions(body, scrubbed)
+        return scrubbed
+    counted = _Counted(SseScrubber(scrubber) if sse else scrubber.stream())
+    recoder = Recoder(None, counted) if sniffable(content_type) else counted
+    try:
+        scrubbed = recoder.feed(body) + recoder.flush()
+    except HttpProtocolError as exc:
+        raise Refused(_protocol_error(plan, exc)) from None
+    progress.redactions = counted.redactions
+    return scrubbed
+
+
+class _Counted:
+    """A body filter with the markers counted on both sides (the redactions it made)."""
+
+    __slots__ = ("_in", "_inner", "_out")
+
+    def __init__(self, inner: Filter) -> None:
+        self._inner = inner
+        self._in, self._out = MarkerCount(), MarkerCount()
+
+    @property
+    def redactions(self) -> int:
+        return max(0, self._out.count - self._in.count)
+
+    def feed(self, data: bytes) -> bytes:
+        self._in.feed(data)
+        out = self._inner.feed(data)
+        self._out.feed(out)
+        return out
+
+    def flush(self) -> bytes:
+        out = self._inner.flush()
+        self._out.feed(out)
+        return out
 
 
 async def _read_whole(
@@ -490,15 +544,25 @@ async def _relay_stream(
     progress = conn.progress
     assert progress is not None
     scrubber = conn.runtime.scrubbers.current
-    scrub = scrubber.stream()
+    content_type = response.get(b"content-type")
     # gRPC: each message scrubbed whole as it completes, never held back (grpc.py).
     messages = (
         MessageScrubber(scrubber, conn.limits.max_body_bytes, conn.crew.buffered)
-        if is_grpc(response.get(b"content-type"))
+        if is_grpc(content_type)
         else None
     )
-    # Markers in and out: their difference is what the scrubber redacted.
-    markers_in, markers_out = MarkerCount(), MarkerCount()
+    inner: Filter
+    if messages is not None:
+        inner = messages
+    elif is_event_stream(content_type):
+        inner = SseScrubber(scrubber)
+    else:
+        inner = scrubber.stream()
+    # Markers in and out (of the decoded body): their difference is what was redacted.
+    counted = _Counted(inner)
+    body: Filter = counted
+    if decided.coding is not None or (messages is None and sniffable(content_type)):
+        body = Recoder(decided.coding, counted)
     reader = http1.BodyReader.for_response(response, conn.runtime.http_limits)
     buffer = upstream.buffer
     rechunk = decided.rechunk
@@ -515,27 +579,27 @@ async def _relay_stream(
     except HttpProtocolError as exc:
         raise Refused(_protocol_error(plan, exc)) from None
     out = decided.head()
-    conn.response_started = True
     ended = "complete"
     try:
         while True:
             if piece:
-                markers_in.feed(piece)
                 # An SSE event comes out with the read that completed it, unless its last
-                # bytes could begin a secret (native/scrub_reference.py: the hold-back rule).
-                piece = scrub.feed(piece) if messages is None else messages.feed(piece)
+                # bytes could begin a secret (native/scrub_reference.py: the hold-back rule),
+                # or its text could (sse_scrub.py).
+                piece = body.feed(piece)
             if reader.done:
-                piece += scrub.flush() if messages is None else messages.flush()
+                piece += body.flush()
             if piece:
-                markers_out.feed(piece)
                 progress.bytes_down += len(piece)
                 out += http1.encode_chunk(piece) if rechunk else piece
             if reader.done:
                 if rechunk:
                     out += _last_chunk(conn, head, reader)
+                conn.response_started = True
                 await send_all(out)
                 break
             if out:
+                conn.response_started = True
                 await send_all(out)
                 out = bytearray()
             # Each piece re-arms the deadline: a slow stream is fine, a silent one is not.
@@ -548,13 +612,17 @@ async def _relay_stream(
                 reader.feed_eof()
                 piece = b""
     except HttpProtocolError as exc:
+        if not conn.response_started:
+            # Nothing went out yet (a compressed body that does not decode, a bomb in the
+            # first read): a 502 the agent can read.
+            raise Refused(_protocol_error(plan, exc)) from None
         ended = f"upstream_protocol_error: {exc}"
     except _UpstreamBroken as exc:
         ended = f"upstream_closed: {exc}"
     finally:
         if messages is not None:
             messages.release()
-    progress.redactions = max(0, markers_out.count - markers_in.count)
+    progress.redactions = counted.redactions
     if ended != "complete":
         # Too late for a refusal: the agent sees the connection end without the last chunk
         # (or short of its length), which every HTTP client reads as a truncated response.

@@ -23,7 +23,7 @@ from proxycore.errors import ProxyError
 from proxycore.io.progress import Phase, Refused
 from proxycore.protocol import http1
 from proxycore.protocol.exchange import check_keeper_call, keeper_refused_event
-from proxycore.protocol.keeper import KEEPER_BODY_BYTES
+from proxycore.protocol.keeper import KEEPER_BODY_BYTES, scrub_keeper_answer
 from proxycore.protocol.plans import ServeKeeper
 from proxycore.protocol.refusals import json_response
 
@@ -99,9 +99,10 @@ async def forward_to_keeper(
 async def serve_keeper(conn: ClientConnection, plan: ServeKeeper, head: http1.RequestHead) -> bool:
     """`POST /keeper/request|execute`: checked here, decided by applianced (docs/keeper.md).
 
-    The crew is this connection's (its gateway), whatever the body says. The answer is not
-    scrubbed here: a granted `request` must deliver the value, and applianced has already
-    scrubbed an `execute`'s output.
+    The crew is this connection's (its gateway), whatever the body says. applianced has
+    scrubbed an `execute`'s output with the store's values; every text field of the answer but
+    a granted `request`'s value (which it must deliver) passes through this worker's scrubber
+    too, for the keys only the proxy holds.
     """
     close = not plan.keep_alive
     body = b""
@@ -131,7 +132,14 @@ async def serve_keeper(conn: ClientConnection, plan: ServeKeeper, head: http1.Re
         raise Refused(
             plan.request.refused(503, "keeper_unavailable", str(exc), close=close)
         ) from None
+    scrubbed = scrub_keeper_answer(conn.runtime.scrubbers.current, plan.action, answer)
+    if scrubbed is None:
+        raise Refused(
+            plan.request.refused(
+                503, "keeper_unavailable", "the keeper's answer is not readable", close=close
+            )
+        )
     conn.response_started = True
-    await conn.stream.send_all(json_response(status, answer, close=close))
+    await conn.stream.send_all(json_response(status, scrubbed, close=close))
     conn.emit_allowed(status=status)
     return not close

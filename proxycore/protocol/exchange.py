@@ -41,8 +41,10 @@ from proxycore.protocol.keeper import (
     check_intent,
     credential_named,
     decode_keeper_body,
+    env_name,
     parse_command,
 )
+from proxycore.protocol.keeper_encoders import SecretSources, check_secret_encoding
 from proxycore.protocol.plans import (
     Forward,
     OpenTunnel,
@@ -418,7 +420,9 @@ def check_keeper_call(
         call = decode_keeper_body(body)
         check_intent(call.intent)
         if action is Action.EXECUTE:
-            parse_command(call.command)
+            argv = parse_command(call.command)
+            # applianced checks again with the paths only it knows (its store, key file).
+            check_secret_encoding(argv, SecretSources((env_name(call.credential),)))
     except KeeperRefused as exc:
         return request.refused(400, exc.rule, f"keeper: {exc}", close=close)
     return None

@@ -37,11 +37,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 import unicodedata
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from proxycore.errors import ProxyError
+
+if TYPE_CHECKING:
+    from native.scrub import Scrubber
 
 MAX_FIELD_LENGTH = 4096
 FAST_PATH_MIN_NON_WHITESPACE = 10
@@ -62,6 +67,14 @@ RULE_NOT_TEXT = "not_text"
 METACHARACTERS = frozenset(";|&`><\n\r")
 COMMAND_SUBSTITUTION = "$("
 _WORD_SEPARATORS = frozenset(" \t")
+_NAME_TO_ENV = re.compile(r"[^A-Z0-9]")
+
+
+def env_name(credential: str) -> str:
+    """The environment variable an execute's command finds the value in: github-token ->
+    GITHUB_TOKEN (documented in docs/keeper.md); the worker's encoder rule needs it too."""
+    name = _NAME_TO_ENV.sub("_", credential.upper())
+    return name if name[:1].isalpha() else "CREDENTIAL_" + name
 
 
 class KeeperRefused(ProxyError):
@@ -276,3 +289,36 @@ def credential_named(body: bytes) -> str:
     except (msgspec.DecodeError, RecursionError):
         return ""
     return named[:64] if named else ""
+
+
+# -- applianced's answer, on its way back to the crew ----------------------------------------
+
+# What applianced answers (appliance/keeper/service.py `Answer`): flat, text, numbers, flags and
+# the list of withheld pipes. Decoded against this type, never as free JSON.
+_AnswerFields = dict[str, str | int | bool | list[str] | None]
+# The one field never scrubbed: a granted `request` exists to deliver that value.
+DELIVERED_FIELD = "value"
+
+
+def scrub_keeper_answer(scrubber: Scrubber, action: Action, answer: bytes) -> bytes | None:
+    """applianced's answer with the proxy's secrets redacted from every text field but a
+    `request`'s delivered value; None if it is not the answer expected (the worker then
+    answers 503).
+
+    applianced scrubs an execute's output with every value of the credential store; the proxy
+    also holds keys applianced never sees (a provider's `credential_env`/`credential_file`, and
+    values rotated away), so the output passes through the proxy's scrubber too, the one its
+    responses go through."""
+    try:
+        fields = msgspec.json.decode(answer, type=_AnswerFields)
+    except msgspec.DecodeError:
+        return None
+    changed = False
+    for key, item in fields.items():
+        delivered = action is Action.REQUEST and key == DELIVERED_FIELD
+        if not delivered and isinstance(item, str):
+            scrubbed = scrubber.scrub_text(item)
+            if scrubbed != item:
+                fields[key] = scrubbed
+                changed = True
+    return msgspec.json.encode(fields) if changed else answer

@@ -11,8 +11,10 @@ must not hand it back). Three body modes:
     STREAM  anything else: streamed through a scrubber stream, re-framed as chunked for an
             HTTP/1.1 agent, delimited by the close for an HTTP/1.0 agent
 
-A response the scrubber cannot read (content-encoded although the proxy asked for identity) is
-refused with 502 rather than relayed.
+A content-encoded body (the proxy asks for identity; some upstreams compress anyway) is decoded,
+scrubbed and encoded again (proxycore/protocol/codings.py): `coding` says which, and such a
+body always streams (its length changes); a coding that cannot be decoded (br, stacked codings,
+an unknown one) is refused with 502 rather than relayed.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import msgspec
 
 from native.scrub import Scrubber
 from proxycore.protocol import http1
+from proxycore.protocol.codings import declared_coding
 from proxycore.protocol.plans import Forward, Refuse
-from proxycore.protocol.scrubbing import scrub_field_lines, unscrubbable_encoding
+from proxycore.protocol.scrubbing import scrub_field_lines
 
 __all__ = ["WHOLE_BODY", "BodyMode", "ResponsePlan", "plan_response"]
 
@@ -55,6 +58,9 @@ class ResponsePlan(msgspec.Struct, frozen=True):
     reusable: bool
     # "HTTP/1.1 200 OK" and the field lines (each led by CRLF), scrubbed; no framing field.
     start: bytes
+    # The Content-Encoding to decode and encode again around the scrubber (b"gzip",
+    # b"deflate"), None for identity (codings.py still checks such a body's first bytes).
+    coding: bytes | None = None
 
     def head(self, content_length: int | None = None) -> bytearray:
         """The head for the agent; WHOLE passes the length of the scrubbed body."""
@@ -81,23 +87,26 @@ def plan_response(
     no room: the body streams instead)."""
     kind = response.body_kind
     keep_client = forward.keep_alive
+    coding = None
     if kind is not http1.BodyKind.NONE and _CONTENT_ENCODING_RE.search(response.raw):
-        coding = unscrubbable_encoding(
+        coding, cannot = declared_coding(
             [value for name, value in response.headers if name == b"content-encoding"]
         )
-        if coding is not None:
+        if cannot is not None:
             return forward.request.refused(
                 502,
                 "upstream_failed",
-                f"{forward.host} answered with content-encoding "
-                f"{coding.decode('ascii', 'replace')} although the proxy asked for identity; "
-                "the response cannot be checked for credentials, so it is not relayed",
+                f"{forward.host} answered with content-encoding {cannot} although the proxy "
+                "asked for identity; the proxy decodes only gzip and deflate, so the response "
+                "cannot be checked for credentials and is not relayed",
                 rule="unscrubbable_encoding",
                 close=not keep_client,
             )
     if kind is http1.BodyKind.NONE:
         mode, drop = BodyMode.NONE, http1.RESPONSE_DROP
-    elif kind is http1.BodyKind.LENGTH and response.content_length <= whole_limit:
+    elif (
+        kind is http1.BodyKind.LENGTH and response.content_length <= whole_limit and coding is None
+    ):
         mode, drop = BodyMode.WHOLE, _DROP_LENGTH
     else:
         mode, drop = BodyMode.STREAM, _DROP_LENGTH
@@ -131,4 +140,5 @@ def plan_response(
         keep_client=keep_client,
         reusable=response.keep_alive and kind is not http1.BodyKind.UNTIL_CLOSE,
         start=scrubbed,
+        coding=coding,
     )

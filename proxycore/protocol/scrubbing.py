@@ -19,8 +19,10 @@ those that went in (an upstream may quote a marker: it passes through unchanged)
 reports nothing itself and needs no change for this; `MarkerCount` follows markers that straddle
 two chunks of a stream.
 
-Compressed bodies: the proxy asks every upstream for `accept-encoding: identity` and refuses a
-response that is encoded anyway (`unscrubbable_encoding`), rather than relay bytes it cannot read.
+Compressed bodies: the proxy asks every upstream for `accept-encoding: identity`; a response
+encoded anyway with gzip or deflate is decoded around the scrubber (codings.py), one with a
+coding it cannot decode is refused (`unscrubbable_encoding`), rather than relay bytes it cannot
+read. Event streams are scrubbed per text channel first (sse_scrub.py).
 """
 
 from __future__ import annotations
