@@ -22,7 +22,8 @@ from typing import Annotated
 import msgspec
 
 from native.scrub_patterns import token_shape
-from proxycore.errors import ConfigError
+from proxycore.errors import ConfigError, PolicyDenied
+from proxycore.protocol.l7 import MAX_RULES, HostRule, L7Rules, RuleError
 from proxycore.protocol.policy import (
     DEFAULT_ALLOWED_HOSTS,
     Allowlist,
@@ -107,6 +108,17 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     open_files: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class RuleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Methods and paths one crew may use on one host (proxycore/protocol/l7.py)."""
+
+    host: str
+    # HTTP methods, exact (case-sensitive); with `preset` they add up. Neither: any method.
+    methods: tuple[str, ...] = ()
+    preset: str | None = None  # "read-only": GET, HEAD, OPTIONS
+    # Path patterns: "/exact", "*" within a segment, "**" as a whole segment. None: any path.
+    paths: tuple[str, ...] = ()
+
+
 class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     # The gateway address the crew's traffic arrives on: the crew identity (it cannot be forged
@@ -118,6 +130,9 @@ class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # including the appliance's own addresses (the host's, loopback, the crews' pool), which
     # `[upstream] ssrf_allow` never opens. For a service on the host meant for this crew.
     ssrf_allow: tuple[str, ...] = ()
+    # Method and path rules for some of its hosts: requests to such a host are allowed only
+    # when a rule allows them, and a CONNECT tunnel to it is refused (docs/proxy.md).
+    rules: tuple[RuleConfig, ...] = ()
 
 
 class ProviderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -283,6 +298,13 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
             AddressGuard(crew.ssrf_allow)
         except ValueError as exc:
             raise fail(f"{key}.ssrf_allow", str(exc)) from None
+        for j, rule in enumerate(crew.rules):
+            try:
+                host_rule(rule)
+            except RuleError as exc:
+                raise fail(f"{key}.rules[{j}]", str(exc)) from None
+        if len(crew.rules) > MAX_RULES:
+            raise fail(f"{key}.rules", f"over {MAX_RULES} rules")
     for j, host in enumerate(config.policy.default_allow):
         try:
             Allowlist([host])
@@ -371,6 +393,21 @@ def crew_policy(crew: CrewConfig, policy: PolicyConfig) -> tuple[NetworkMode, Al
     proxy adds the configured provider hosts (`provider_hosts`) on top."""
     mode, _ = parse_mode(crew.mode)
     return mode, Allowlist([*policy.default_allow, *crew.allow])
+
+
+def host_rule(rule: RuleConfig) -> HostRule:
+    """One configured rule, checked (`RuleError` names what is wrong), its host normalized as
+    the name policy normalizes the hosts it compares."""
+    try:
+        host = normalize_host(rule.host)
+    except PolicyDenied:
+        raise RuleError(f"host {rule.host!r}: not a valid host name") from None
+    return HostRule.make(host, methods=rule.methods, preset=rule.preset, paths=rule.paths)
+
+
+def crew_rules(crew: CrewConfig) -> L7Rules:
+    """The crew's method and path rules (validated already: `validate`)."""
+    return L7Rules(host_rule(rule) for rule in crew.rules)
 
 
 def provider_hosts(config: ProxyConfig) -> tuple[str, ...]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from proxycore.config import RuleConfig
+
 
 class AllowHost(msgspec.Struct, frozen=True, tag="allow_host", forbid_unknown_fields=True):
     """Add an exact host to a crew's allowlist at run time."""
@@ -59,6 +61,8 @@ class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields
     listener: bool = False
     # Ranges this crew alone may reach past the SSRF guard (`CrewConfig.ssrf_allow`).
     ssrf_allow: tuple[str, ...] = ()
+    # Method and path rules for some hosts (`CrewConfig.rules`).
+    rules: tuple[RuleConfig, ...] = ()
 
 
 class CrewRemove(msgspec.Struct, frozen=True, tag="crew_remove", forbid_unknown_fields=True):

@@ -26,7 +26,14 @@ import trio
 
 from native.scrub_patterns import PatternError
 from proxycore import control
-from proxycore.config import DEFAULT_BASE_URLS, CrewConfig, ProxyConfig, crew_policy, validate
+from proxycore.config import (
+    DEFAULT_BASE_URLS,
+    CrewConfig,
+    ProxyConfig,
+    crew_policy,
+    crew_rules,
+    validate,
+)
 from proxycore.errors import PolicyDenied, ProxyError
 from proxycore.io.dns import Resolver
 from proxycore.io.http2 import h2_limits
@@ -198,7 +205,7 @@ class ProxyRuntime:
         limits = self.limits
         state = self.crews[gateway] = CrewState(
             gateway=gateway,
-            policy=CrewPolicy(crew.name, mode, allowlist),
+            policy=CrewPolicy(crew.name, mode, allowlist, crew_rules(crew)),
             name=crew.name,
             mode=mode.value,
             guard=AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
@@ -224,6 +231,7 @@ class ProxyRuntime:
             mode=message.mode,
             allow=message.allow,
             ssrf_allow=message.ssrf_allow,
+            rules=message.rules,
         )
         try:
             validate(ProxyConfig(crew=(crew,)), source="crew_add")

@@ -196,6 +196,17 @@ def _check_policy(
     return request.denied(decision.rule, why.format(crew=crew.name, host=request.host), close=close)
 
 
+def _check_rules(
+    head: http1.RequestHead, crew: CrewPolicy, request: Request, host: str, target: bytes
+) -> Refuse | None:
+    """The crew's method and path rules for `host` (proxycore.protocol.l7), on the target as it
+    will be sent upstream."""
+    denied = crew.rules.check(host, head.method, target, head.headers)
+    if denied is None:
+        return None
+    return request.denied(denied.rule, denied.message, close=close_after_refusal(head))
+
+
 def _plan_tunnel(
     head: http1.RequestHead, crew: CrewPolicy, request: Request, *, audit_blocked: bool
 ) -> Plan:
@@ -212,6 +223,10 @@ def _plan_tunnel(
     refused = _check_policy(head, crew, request, audit_blocked=audit_blocked, close=True)
     if refused is not None:
         return refused
+    if crew.rules:
+        denied = crew.rules.tunnel_denied(host)
+        if denied is not None:
+            return request.denied(denied.rule, denied.message, close=True)
     return OpenTunnel(request, host, port)
 
 
@@ -242,6 +257,10 @@ def _plan_forward(
     refused = _check_policy(head, crew, request, audit_blocked=audit_blocked)
     if refused is not None:
         return refused
+    if crew.rules:
+        refused = _check_rules(head, crew, request, host, path)
+        if refused is not None:
+            return refused
     provider = routes.by_host.get(host)
     if provider is not None:
         # An exact provider host: always over verified TLS to the configured base URL, so the
@@ -325,6 +344,11 @@ def _plan_origin_form(
     if refused is not None:
         return refused
     upstream_target = route.path_prefix.encode("ascii") + rest
+    if crew.rules:
+        # The path the provider will serve, its route's prefix included.
+        refused = _check_rules(head, crew, request, route.host, upstream_target)
+        if refused is not None:
+            return refused
     return _forward(
         head,
         routes.for_crew(route, crew.name),

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from proxycore.errors import PolicyDenied
+from proxycore.protocol.l7 import L7Rules
 
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
@@ -466,6 +467,9 @@ class CrewPolicy:
     name: str
     mode: NetworkMode
     allowlist: Allowlist
+    # Method and path rules for some hosts (proxycore.protocol.l7): they only narrow what the
+    # name policy allows, on the routes where the proxy reads the requests.
+    rules: L7Rules = field(default_factory=L7Rules)
     decisions: dict[tuple[str, int], EgressDecision] = field(default_factory=dict)
 
     def decide(self, host: str, port: int) -> EgressDecision:
