@@ -45,6 +45,7 @@ from proxycore.protocol.keeper import (
     parse_command,
 )
 from proxycore.protocol.keeper_encoders import SecretSources, check_secret_encoding
+from proxycore.protocol.placeholders import RULE_MISDIRECTED, misdirected_placeholder
 from proxycore.protocol.plans import (
     Forward,
     OpenTunnel,
@@ -133,7 +134,7 @@ def plan_request(
         )
     request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii", "replace"))
     if head.method == b"CONNECT":
-        return _plan_tunnel(head, crew, request, audit_blocked=audit_blocked)
+        return _plan_tunnel(head, crew, routes, request, audit_blocked=audit_blocked)
     if target[:1] == b"/":
         return _plan_origin_form(
             head, crew, routes, request, audit_blocked=audit_blocked, max_body=max_body
@@ -207,8 +208,34 @@ def _check_rules(
     return request.denied(denied.rule, denied.message, close=close_after_refusal(head))
 
 
+def _check_placeholders(
+    head: http1.RequestHead,
+    request: Request,
+    destination: Provider | None,
+    *,
+    close: bool | None = None,
+) -> Refuse | None:
+    """A crew's placeholder key on its way to a host that is not its provider's route
+    (proxycore.protocol.placeholders): refused, and journaled as such."""
+    provider = misdirected_placeholder(head.raw, destination)
+    if provider is None:
+        return None
+    return request.denied(
+        RULE_MISDIRECTED,
+        f"this request carries the appliance's placeholder for the {provider.value} key to "
+        f"{request.host}: placeholders are replaced by the real key on the {provider.value} "
+        "route only, and never sent anywhere else; check the client's base URL",
+        close=close_after_refusal(head) if close is None else close,
+    )
+
+
 def _plan_tunnel(
-    head: http1.RequestHead, crew: CrewPolicy, request: Request, *, audit_blocked: bool
+    head: http1.RequestHead,
+    crew: CrewPolicy,
+    routes: Routes,
+    request: Request,
+    *,
+    audit_blocked: bool,
 ) -> Plan:
     try:
         host, port = parse_authority(head.target, -1)
@@ -227,6 +254,10 @@ def _plan_tunnel(
         denied = crew.rules.tunnel_denied(host)
         if denied is not None:
             return request.denied(denied.rule, denied.message, close=True)
+    route = routes.by_host.get(host)
+    refused = _check_placeholders(head, request, route.provider if route else None, close=True)
+    if refused is not None:
+        return refused
     return OpenTunnel(request, host, port)
 
 
@@ -262,6 +293,9 @@ def _plan_forward(
         if refused is not None:
             return refused
     provider = routes.by_host.get(host)
+    refused = _check_placeholders(head, request, provider.provider if provider else None)
+    if refused is not None:
+        return refused
     if provider is not None:
         # An exact provider host: always over verified TLS to the configured base URL, so the
         # credential can be injected (never onto a plain-text connection).
@@ -349,6 +383,9 @@ def _plan_origin_form(
         refused = _check_rules(head, crew, request, route.host, upstream_target)
         if refused is not None:
             return refused
+    refused = _check_placeholders(head, request, route.provider)
+    if refused is not None:
+        return refused
     return _forward(
         head,
         routes.for_crew(route, crew.name),
