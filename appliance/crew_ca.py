@@ -138,20 +138,7 @@ class CrewCA:
             .not_valid_before(not_before)
             .not_valid_after(not_after)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            .add_extension(_key_usage(digital_signature=True), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .add_extension(x509.SubjectAlternativeName([name]), critical=False)
             .add_extension(
@@ -177,16 +164,38 @@ class CrewCA:
         return f"CrewCA({self.crew!r}, not_after={self.cert.not_valid_after_utc.isoformat()})"
 
 
+def _key_usage(
+    *, digital_signature: bool = False, key_cert_sign: bool = False, crl_sign: bool = False
+) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=digital_signature,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=key_cert_sign,
+        crl_sign=crl_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def new_ca(
-    crew: str, *, now: datetime.datetime | None = None, lifetime: datetime.timedelta = CA_LIFETIME
+    crew: str,
+    *,
+    now: datetime.datetime | None = None,
+    lifetime: datetime.timedelta = CA_LIFETIME,
+    common_name: str | None = None,
 ) -> CrewCA:
-    """A fresh CA for crew `crew`."""
+    """A fresh CA for crew `crew` (`common_name`: another subject, e.g. the demo's)."""
     now = now or datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
-            x509.NameAttribute(NameOID.COMMON_NAME, f"{ORGANIZATION} crew {crew} CA"[:64]),
+            x509.NameAttribute(
+                NameOID.COMMON_NAME, (common_name or f"{ORGANIZATION} crew {crew} CA")[:64]
+            ),
         ]
     )
     cert = (
@@ -198,20 +207,7 @@ def new_ca(
         .not_valid_before(now - BACKDATE)
         .not_valid_after(now + lifetime)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(key_cert_sign=True, crl_sign=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
         .sign(key, hashes.SHA256())
     )

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import unicodedata
-import urllib.parse
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,10 @@ from proxycore.protocol.plans import Forward, OpenTunnel, Refuse
 from proxycore.protocol.policy import Allowlist, CrewPolicy, NetworkMode
 from tests.conftest import FakeServer, RunningProxy
 from tests.test_exchange import routes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
+
+from fuzz_l7 import readings
 
 HOST = "api.example.test"
 RULES = L7Rules(
@@ -170,35 +173,6 @@ def test_the_config_names_the_rule_that_is_wrong() -> None:
 # -- the invariant: whatever a server does with an allowed path, it stays under the prefix -----
 
 
-def _server_readings(path: bytes) -> set[str]:
-    """The paths servers have been seen to route a request-target to: decoded once or twice,
-    backslashes as slashes, `;params` dropped, NFKC-folded, slashes merged, dot-segments
-    removed (RFC 3986 5.2.4)."""
-    readings = set()
-    text = path.decode("ascii")
-    for decodes in range(3):
-        decoded = text
-        for _ in range(decodes):
-            decoded = urllib.parse.unquote(decoded, errors="replace")
-        for variant in (decoded, unicodedata.normalize("NFKC", decoded)):
-            variant = variant.replace("\\", "/")
-            variant = "/".join(seg.split(";", 1)[0] for seg in variant.split("/"))
-            variant = re.sub("/+", "/", variant)
-            readings.add(_remove_dot_segments(variant))
-    return readings
-
-
-def _remove_dot_segments(path: str) -> str:
-    out: list[str] = []
-    for segment in path.split("/")[1:]:
-        if segment == "..":
-            if out:
-                out.pop()
-        elif segment != ".":
-            out.append(segment)
-    return "/" + "/".join(out)
-
-
 PIECES = st.sampled_from(
     [
         "a", "acme", "safe", ".", "..", "/", "//", "%2e", "%2E", "%2f", "%2F", "%5c", "\\", "%25",
@@ -216,7 +190,7 @@ def test_an_allowed_path_stays_under_its_prefix_under_every_reading(pieces: list
     if rules.check(HOST, b"GET", target) is not None:
         return
     path = target.split(b"?", 1)[0]
-    for reading in _server_readings(path):
+    for reading in readings(path):
         assert reading == "/safe" or reading.startswith("/safe/"), (target, reading)
 
 
