@@ -52,7 +52,7 @@ import msgspec
 
 from appliance.demo_tls import server_context
 from appliance.demo_upstream import FakeServer, start_fake
-from appliance.runtime.base import AGENT_KEY_PLACEHOLDER
+from appliance.runtime.base import agent_keys
 from appliance.selfexec import self_command
 from netns.addressing import naming
 
@@ -560,12 +560,13 @@ def _crew_tour(
         expect(done.returncode == 0, f"env exited {done.returncode}")
         expect(DEMO_KEY not in done.stdout, "the demo key is in the agent's environment")
         pairs = [line.split("=", 1) for line in done.stdout.splitlines() if "=" in line]
-        # The only key-like variables are the placeholders the agent CLIs need to start.
+        # The only key-like variables are the crew's placeholders the agent CLIs need to start.
+        placeholders = agent_keys(crew)
         suspicious = [
             name
             for name, value in pairs
             if any(w in name.upper() for w in ("KEY", "TOKEN", "SECRET"))
-            and value != AGENT_KEY_PLACEHOLDER
+            and placeholders.get(name) != value
         ]
         expect(not suspicious, f"credential-like variables: {suspicious}")
         tour.say("no credential and no *KEY*/*TOKEN*/*SECRET* variable: only the proxy's address")

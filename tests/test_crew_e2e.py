@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 import pytest
 import trustme
 
-from appliance.runtime.base import AGENT_KEY_PLACEHOLDER, AGENT_KEY_VARIABLES
+from appliance.runtime.base import agent_keys
+from proxycore.protocol.placeholders import PLACEHOLDER_PREFIX
 from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, needs
 from tests.daemon_support import Appliance, needs_root_and_docker, new_appliance, remove_volumes
 from tests.fake_anthropic import REPLY, FakeAnthropic, bind_listener
@@ -364,9 +365,10 @@ def test_environment_holds_the_proxy_and_no_credential(world: World, runtime: st
     base = f"http://{world.gateways[runtime]}:{world.app.port}"
     assert env["HTTPS_PROXY"] == base and env["HTTP_PROXY"] == base
     assert env["ANTHROPIC_BASE_URL"] == f"{base}/anthropic"
-    # Only the placeholders the agent CLIs need to start (the proxy replaces what they send).
+    # Only the crew's placeholders the agent CLIs need to start (the proxy replaces what they
+    # send).
     credential_like = {name: value for name, value in env.items() if CREDENTIAL_NAME.search(name)}
-    assert credential_like == dict.fromkeys(AGENT_KEY_VARIABLES, AGENT_KEY_PLACEHOLDER)
+    assert credential_like == agent_keys(world.crews[runtime])
     for key in REAL_KEYS.values():
         assert key not in done.stdout
 
@@ -493,10 +495,10 @@ def test_claude_code_completes_through_the_proxy(world: World, runtime: str) -> 
     assert messages, asked
     for request in messages:
         assert request.all("x-api-key") == [REAL_KEYS["anthropic"]], asked
-        assert AGENT_KEY_PLACEHOLDER.encode() not in request.body
+        assert PLACEHOLDER_PREFIX not in request.body
         assert json.loads(request.body).get("stream") is True  # SSE, as the real client asks
     for request in world.fake.requests:
-        assert AGENT_KEY_PLACEHOLDER not in json.dumps(request.headers)
+        assert PLACEHOLDER_PREFIX.decode() not in json.dumps(request.headers)
 
 
 # --- 3. restart: adoption, interrupted creates, nothing orphaned ---------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from appliance.demo_upstream import FakeServer
-from appliance.runtime.base import AGENT_KEY_PLACEHOLDER, AGENT_KEY_VARIABLES
+from appliance.runtime.base import agent_keys
 from tests.conftest import REAL_KEYS
 from tests.daemon_support import (
     REACH_TEST_HOSTS,
@@ -98,9 +98,9 @@ def test_crew_lifecycle_and_traffic_end_to_end(
     assert f"ANTHROPIC_BASE_URL=http://{gateway}:{app.port}/anthropic" in env.stdout
     for key in REAL_KEYS.values():
         assert key not in env.stdout
-    # no credential: the only *_KEY variables are the placeholders the agent CLIs need
+    # no credential: the only *_KEY variables are the crew's placeholders the agent CLIs need
     keys = {line for line in env.stdout.splitlines() if "KEY" in line.split("=")[0].upper()}
-    assert keys == {f"{name}={AGENT_KEY_PLACEHOLDER}" for name in AGENT_KEY_VARIABLES}
+    assert keys == {f"{variable}={value}" for variable, value in agent_keys(name).items()}
 
     # Forward proxy: an allowed host works, another gets the proxy's readable refusal.
     plain_host.clear()

@@ -88,13 +88,14 @@ def test_a_state_from_before_instance_ids_migrates(tmp_path: Path) -> None:
         assert ids == {"infra-a", "agent-a", "infra-slot"}
         assert legacy == {"a", "b"}
         assert [row.name for row in store.crews()] == ["a", "b"]
+        assert [row.rules for row in store.crews()] == [(), ()]  # version 5's column, too
         assert store.instance_id(None, "derived") == "derived"
     finally:
         store.close()
     db = sqlite3.connect(tmp_path / "applianced.db")
     meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     db.close()
-    assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
+    assert meta["schema_version"] == str(SCHEMA_VERSION) == "5"
     assert json.loads(meta["legacy_crews"]) == ["a", "b"]
     # Opened again: nothing migrates twice.
     StateStore(tmp_path).close()

@@ -37,6 +37,50 @@ def hosts(values: list[str]) -> tuple[str, ...]:
     return tuple(seen)
 
 
+RULE_SYNTAX = "HOST [METHOD,...|read-only] [PATH ...]"
+
+
+def parse_rule(text: str) -> messages.CrewRule:
+    """`--rule 'api.github.com read-only /repos/acme/** /user'`: one rule in one shell word.
+
+    The host, then an optional word of comma-separated methods (`read-only` among them is the
+    preset: GET, HEAD, OPTIONS), then path patterns; a pattern starts with `/`, which is how the
+    methods word is told from a path. No methods: any method; no paths: any path. applianced
+    checks the rest with the proxy's own validation (docs/proxy.md)."""
+    words = text.split()
+    if not words:
+        raise argparse.ArgumentTypeError(f"an empty rule: write {RULE_SYNTAX}")
+    host, rest = words[0], words[1:]
+    methods: list[str] = []
+    preset: str | None = None
+    if rest and not rest[0].startswith("/"):
+        for item in rest.pop(0).split(","):
+            if item == "read-only":
+                preset = item
+            elif item != item.upper() or not item:
+                # Methods are case-sensitive (RFC 9110 9.1): "get" would never match a GET, so
+                # it is refused here, like a misspelled preset ("readonly"), not sent as a method.
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: {item!r} is neither a method in upper case (GET,POST) nor "
+                    f"read-only; write {RULE_SYNTAX}"
+                )
+            else:
+                methods.append(item)
+    return messages.CrewRule(host=host, methods=tuple(methods), preset=preset, paths=tuple(rest))
+
+
+def rule_spec(rule: messages.CrewRule) -> str:
+    """A rule as `--rule` spells it (what `parse_rule` reads back)."""
+    methods = ",".join([*([rule.preset] if rule.preset else []), *rule.methods])
+    return " ".join(word for word in (rule.host, methods, *rule.paths) if word)
+
+
+def rule_lines(rules: tuple[messages.CrewRule, ...]) -> list[str]:
+    if not rules:
+        return ["rules:    - (any method and path on the allowed hosts)"]
+    return [f"{'rules:' if i == 0 else '':<10}{rule_spec(rule)}" for i, rule in enumerate(rules)]
+
+
 def line(crew: messages.CrewInfo, wide: bool) -> list[str]:
     cells = [
         crew.name,
@@ -69,6 +113,7 @@ def details(crew: messages.CrewInfo) -> str:
         f"mode:     {crew.mode}",
         f"allow:    {', '.join(crew.allow) or '-'}",
         f"reach:    {', '.join(crew.ssrf_allow) or '-'} (ssrf_allow)",
+        *rule_lines(crew.rules),
         f"runtime:  {crew.runtime}",
         f"memory:   {crew.memory_bytes // (1 << 20)} MiB",
         f"cpus:     {crew.cpus}",
@@ -103,6 +148,7 @@ def cmd_create(args: argparse.Namespace, out: Output) -> int:
         memory_bytes=args.memory,
         cpus=args.cpus,
         ssrf_allow=hosts(args.ssrf_allow),
+        rules=tuple(args.rule),
     )
     crew = context.client(args).create_crew(request)
     human = f"crew {crew.name} created\n" + details(crew)
@@ -173,6 +219,16 @@ def add_parsers(commands: Any, leaf: Any, watchable: Any) -> None:
         metavar="CIDR",
         help="a destination range only this crew may reach although the SSRF guard refuses it, "
         "the appliance host's own addresses included (repeatable; docs/proxy.md)",
+    )
+    create.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        type=parse_rule,
+        metavar="'HOST [METHODS|read-only] [PATH ...]'",
+        help="methods and paths allowed on a host, in one shell word, e.g. "
+        "'api.github.com read-only /repos/acme/**' (repeatable: a request to a host with rules "
+        "must match one; they narrow --allow, never widen it; docs/cli.md)",
     )
     create.set_defaults(func=cmd_create)
     watchable(leaf(crews.add_parser("ls", help="list crews"))).set_defaults(func=cmd_ls)

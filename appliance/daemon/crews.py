@@ -65,8 +65,6 @@ import trio
 from appliance.journal.entries import CrewFailed, CrewRemoved
 from appliance.journal.recorder import JournalRecorder, crew_created
 from appliance.runtime.base import (
-    AGENT_KEY_PLACEHOLDER,
-    AGENT_KEY_VARIABLES,
     ContainerRole,
     CrewSpec,
     ExecExited,
@@ -74,12 +72,14 @@ from appliance.runtime.base import (
     OwnedContainer,
     Pod,
     RuntimeProvider,
+    agent_keys,
 )
 from netns import CrewNetworks, NetnsError, netns_of_pid
 from netns.addressing import check_crew_id
 from netns.manager import NetworkReport
-from proxycore.config import allowlist_sources
+from proxycore.config import RuleConfig, allowlist_sources, host_rule
 from proxycore.errors import PolicyDenied
+from proxycore.protocol.l7 import MAX_RULES, RuleError
 from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host, parse_mode
 from proxycore.protocol.ssrf import AddressGuard
 
@@ -113,8 +113,9 @@ def kill_hook_from_env() -> StepHook | None:
     return hook
 
 
-def agent_environment(config: ApplianceConfig, gateway: str) -> dict[str, str]:
-    """What an agent process sees: the proxy and the provider base URLs; never a credential."""
+def agent_environment(config: ApplianceConfig, crew: str, gateway: str) -> dict[str, str]:
+    """What crew `crew`'s agent process sees: the proxy, the provider base URLs and the crew's
+    placeholder keys; never a credential."""
     base = f"http://{gateway}:{config.daemon.proxy_port}"
     openai = config.proxy.providers.openai.base_url or ""
     # The OpenAI SDKs expect the base URL to include /v1; the proxy's /openai route maps onto
@@ -133,7 +134,7 @@ def agent_environment(config: ApplianceConfig, gateway: str) -> dict[str, str]:
         "OPENAI_BASE_URL": f"{base}/openai{openai_suffix}",
         "GOOGLE_GEMINI_BASE_URL": f"{base}/google",
         # placeholders so the agent CLIs start (runtime/base.py says why they are no credential)
-        **{name: AGENT_KEY_PLACEHOLDER for name in AGENT_KEY_VARIABLES},
+        **agent_keys(crew),
         # Telemetry, error reports and update checks would be refused by a restricted policy
         # anyway; this keeps Claude Code from trying (and the refusals out of the events).
         "DISABLE_TELEMETRY": "1",
@@ -265,6 +266,7 @@ class CrewManager:
             AddressGuard(request.ssrf_allow)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"argument ssrf_allow: {exc}") from None
+        rules = self._rules(request.rules)
         crews = self.config.crews
         runtime = request.runtime or crews.default_runtime
         available = await self.runtimes()
@@ -298,7 +300,27 @@ class CrewManager:
             created=now,
             updated=now,
             ssrf_allow=tuple(dict.fromkeys(request.ssrf_allow)),
+            rules=rules,
         )
+
+    @staticmethod
+    def _rules(requested: tuple[messages.CrewRule, ...]) -> tuple[RuleConfig, ...]:
+        """The request's method and path rules, checked by the proxy's own validation (the
+        workers check them again at crew_add: a rule they would refuse is refused here, before
+        anything is created), with their hosts normalized as the proxy compares them."""
+        if len(requested) > MAX_RULES:
+            raise InvalidRequest(f"argument rule: over {MAX_RULES} rules")
+        rules: list[RuleConfig] = []
+        for index, rule in enumerate(requested):
+            config = RuleConfig(
+                host=rule.host, methods=rule.methods, preset=rule.preset, paths=rule.paths
+            )
+            try:
+                checked = host_rule(config)
+            except RuleError as exc:
+                raise InvalidRequest(f"argument rule[{index}]: {exc}") from None
+            rules.append(msgspec.structs.replace(config, host=checked.host))
+        return tuple(rules)
 
     # -- create / remove --------------------------------------------------------------------
 
@@ -382,7 +404,12 @@ class CrewManager:
 
             gateway = await steps.run("attach network", attach, release)
         entry = CrewEntry(
-            name=name, gateway=gateway, mode=row.mode, allow=row.allow, ssrf_allow=row.ssrf_allow
+            name=name,
+            gateway=gateway,
+            mode=row.mode,
+            allow=row.allow,
+            ssrf_allow=row.ssrf_allow,
+            rules=row.rules,
         )
 
         async def add_to_proxy() -> None:
@@ -392,7 +419,7 @@ class CrewManager:
             await self.proxy.remove_crew(name)
 
         await steps.run("add to proxy", add_to_proxy, remove_from_proxy)
-        agent_spec = self._spec(row, agent_environment(self.config, gateway))
+        agent_spec = self._spec(row, agent_environment(self.config, name, gateway))
         # The infra's label names the slot (labels are immutable); the pod is the crew's.
         agent_pod = msgspec.structs.replace(pod, crew=name, runtime=row.runtime)
 
@@ -504,6 +531,7 @@ class CrewManager:
             mode=row.mode,
             allow=row.allow,
             ssrf_allow=row.ssrf_allow,
+            rules=tuple(messages.CrewRule(**msgspec.structs.asdict(rule)) for rule in row.rules),
             runtime=row.runtime,
             memory_bytes=row.memory_bytes,
             cpus=row.cpus,
@@ -651,6 +679,7 @@ class CrewManager:
                     mode=row.mode,
                     allow=row.allow,
                     ssrf_allow=row.ssrf_allow,
+                    rules=row.rules,
                 )
             )
             return []

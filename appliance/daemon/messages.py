@@ -13,6 +13,17 @@ from __future__ import annotations
 import msgspec
 
 
+class CrewRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Methods and paths a crew may use on one host: field for field the proxy's `RuleConfig`
+    (proxycore/config.py, docs/proxy.md "Method and path rules"; tests/test_crew_rules.py holds
+    them equal), here so that a client need not import the proxy."""
+
+    host: str
+    methods: tuple[str, ...] = ()  # exact, case-sensitive; with `preset` they add up
+    preset: str | None = None  # "read-only": GET, HEAD, OPTIONS; neither: any method
+    paths: tuple[str, ...] = ()  # "/exact", "*" in a segment, "**" a whole segment; none: any
+
+
 class CreateCrew(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     mode: str = "restricted"
@@ -23,6 +34,8 @@ class CreateCrew(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Destination ranges only this crew may reach past the SSRF guard, the appliance's own
     # addresses included (docs/proxy.md "Destinations").
     ssrf_allow: tuple[str, ...] = ()
+    # Method and path rules for some of its hosts (they narrow what `allow` opens, never widen).
+    rules: tuple[CrewRule, ...] = ()
 
 
 class AllowHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -71,6 +84,7 @@ class CrewInfo(msgspec.Struct, frozen=True):
     # in modes free (any host) and none (no host).
     effective_allow: tuple[AllowEntry, ...] = ()
     ssrf_allow: tuple[str, ...] = ()
+    rules: tuple[CrewRule, ...] = ()  # as the proxy holds them (hosts normalized)
 
 
 class CrewList(msgspec.Struct, frozen=True):

@@ -52,7 +52,7 @@ from appliance.logs import WorkerLog, worker_level
 from appliance.selfexec import self_command
 from native.scrub import Scrubber
 from proxycore import control
-from proxycore.config import ProxyConfig
+from proxycore.config import ProxyConfig, RuleConfig
 from proxycore.io.control_server import ChannelClient
 
 from .errors import Unavailable
@@ -88,6 +88,7 @@ class CrewEntry(msgspec.Struct, frozen=True):
     mode: str
     allow: tuple[str, ...]
     ssrf_allow: tuple[str, ...] = ()
+    rules: tuple[RuleConfig, ...] = ()
 
 
 class _Worker:
@@ -533,4 +534,5 @@ def _crew_add(entry: CrewEntry) -> control.CrewAdd:
         allow=entry.allow,
         listener=True,
         ssrf_allow=entry.ssrf_allow,
+        rules=entry.rules,
     )

@@ -26,6 +26,7 @@ objects carry it. Version 4 brought it; a state from before (version 1-3) record
 migration, the crews it had (`meta.legacy_crews`): their containers carry no instance label and
 are adopted by the ids in their rows (`adoptable`), their volumes keep their former names.
 
+Version 5 added each crew's method and path rules (`rules`; an older state's crews get none).
 The schema is versioned (`meta.schema_version`); an unknown newer version is refused, never
 guessed at. Every write is one transaction (`with self.db:`); WAL lets readers (`crew ls`) run
 beside a writer. Calls take well under a millisecond, so the trio daemon makes them inline.
@@ -42,9 +43,11 @@ from pathlib import Path
 
 import msgspec
 
+from proxycore.config import RuleConfig
+
 from .errors import DaemonError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DB_FILE = "applianced.db"
 
 _SCHEMA = """
@@ -64,7 +67,8 @@ CREATE TABLE IF NOT EXISTS crews (
     updated REAL NOT NULL,
     error TEXT,
     slot TEXT,                    -- the pool slot it took: its infra and network are keyed by it
-    ssrf_allow TEXT NOT NULL DEFAULT '[]'  -- JSON array of CIDRs only this crew may reach
+    ssrf_allow TEXT NOT NULL DEFAULT '[]', -- JSON array of CIDRs only this crew may reach
+    rules TEXT NOT NULL DEFAULT '[]'       -- JSON array of the proxy's RuleConfig objects
 );
 CREATE TABLE IF NOT EXISTS pool (
     slot TEXT PRIMARY KEY,
@@ -79,6 +83,8 @@ CREATE TABLE IF NOT EXISTS pool (
 _MIGRATE_1_TO_2 = "ALTER TABLE crews ADD COLUMN slot TEXT"
 # Version 2 had no per-crew destination ranges: none, as before.
 _MIGRATE_2_TO_3 = "ALTER TABLE crews ADD COLUMN ssrf_allow TEXT NOT NULL DEFAULT '[]'"
+# Version 4 had no method and path rules: none, as before (every method and path).
+_MIGRATE_4_TO_5 = "ALTER TABLE crews ADD COLUMN rules TEXT NOT NULL DEFAULT '[]'"
 
 
 class CrewPhase(enum.StrEnum):
@@ -105,6 +111,9 @@ class CrewRow(msgspec.Struct, frozen=True):
     error: str | None = None
     slot: str | None = None
     ssrf_allow: tuple[str, ...] = ()
+    # Method and path rules, validated and with their hosts normalized (crews.py), as the proxy
+    # workers are sent them.
+    rules: tuple[RuleConfig, ...] = ()
 
     @property
     def key(self) -> str:
@@ -149,17 +158,20 @@ class StateStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            elif int(row["value"]) in (1, 2, 3):
-                if int(row["value"]) == 1:
+            elif int(row["value"]) in (1, 2, 3, 4):
+                version = int(row["value"])
+                if version == 1:
                     self.db.execute(_MIGRATE_1_TO_2)
-                if int(row["value"]) <= 2:
+                if version <= 2:
                     self.db.execute(_MIGRATE_2_TO_3)
-                # Version 3 had no instance id: the crews it has made carry none.
-                legacy = [r["name"] for r in self.db.execute("SELECT name FROM crews")]
-                self.db.execute(
-                    "INSERT INTO meta(key, value) VALUES ('legacy_crews', ?)",
-                    (json.dumps(legacy),),
-                )
+                if version <= 3:
+                    # Version 3 had no instance id: the crews it has made carry none.
+                    legacy = [r["name"] for r in self.db.execute("SELECT name FROM crews")]
+                    self.db.execute(
+                        "INSERT INTO meta(key, value) VALUES ('legacy_crews', ?)",
+                        (json.dumps(legacy),),
+                    )
+                self.db.execute(_MIGRATE_4_TO_5)
                 self.db.execute(
                     "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
                 )
@@ -234,6 +246,7 @@ class StateStore:
             error=row["error"],
             slot=row["slot"],
             ssrf_allow=tuple(json.loads(row["ssrf_allow"])),
+            rules=msgspec.json.decode(row["rules"], type=tuple[RuleConfig, ...]),
         )
 
     def crews(self) -> list[CrewRow]:
@@ -248,8 +261,8 @@ class StateStore:
         """Record the intent to create a crew. sqlite3.IntegrityError if the name is taken."""
         self.db.execute(
             "INSERT INTO crews(name, mode, allow, runtime, memory_bytes, cpus, phase, infra_id,"
-            " agent_id, gateway, created, updated, error, slot, ssrf_allow)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " agent_id, gateway, created, updated, error, slot, ssrf_allow, rules)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 crew.name,
                 crew.mode,
@@ -266,6 +279,7 @@ class StateStore:
                 crew.error,
                 crew.slot,
                 json.dumps(list(crew.ssrf_allow)),
+                msgspec.json.encode(crew.rules).decode(),
             ),
         )
 

@@ -32,6 +32,9 @@ from typing import Protocol
 
 import msgspec
 
+from proxycore.protocol.credentials import Provider
+from proxycore.protocol.placeholders import placeholder
+
 LABEL_APPLIANCE = "io.agent-appliance.owner"  # value: "applianced"
 LABEL_CREW = "io.agent-appliance.crew"  # value: crew name
 LABEL_ROLE = "io.agent-appliance.role"  # value: a ContainerRole
@@ -45,10 +48,21 @@ PIDS_LIMIT = 200
 TMP_SIZE = "500m"
 
 # The agent CLIs refuse to start without a key of their own (Claude Code: "Not logged in"), so
-# agents get these placeholders, which are not credentials: the proxy removes whatever credential
-# an agent sends and injects the operator's, on an exact provider-host match only.
-AGENT_KEY_PLACEHOLDER = "placeholder-the-appliance-injects-the-key"
-AGENT_KEY_VARIABLES = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY")
+# each variable holds its provider's placeholder for the crew, which is no credential: the proxy
+# removes whatever credential an agent sends and injects the operator's, on an exact
+# provider-host match only, and refuses a request that carries a placeholder anywhere else
+# (proxycore/protocol/placeholders.py). `agent_keys` is the one place the values are made.
+AGENT_KEY_VARIABLES = {
+    "ANTHROPIC_API_KEY": Provider.ANTHROPIC,
+    "OPENAI_API_KEY": Provider.OPENAI,
+    "GEMINI_API_KEY": Provider.GOOGLE,
+}
+
+
+def agent_keys(crew: str) -> dict[str, str]:
+    """What crew `crew`'s agent environment holds where the SDKs expect their keys."""
+    return {name: placeholder(provider, crew) for name, provider in AGENT_KEY_VARIABLES.items()}
+
 
 KNOWN_RUNTIMES = ("runc", "runsc", "kata-runtime", "sysbox-runc", "crun")
 
