@@ -61,6 +61,7 @@ from .supervisor import (
     RestartPolicy,
     StderrTail,
     WorkerExit,
+    describe_exit,
     effective_uid,
     exit_status,
     read_stderr,
@@ -130,14 +131,26 @@ class _Worker:
             and self.client is not None
         )
         last = self.last_exit
+        last_exit = scrub(last.reason) if last else None
+        last_exit_time = last.ts if last else None
+        if (
+            process is not None
+            and process.returncode is not None
+            and (last is None or last.pid != process.pid)
+        ):
+            # Exited, and its exit not yet counted (its last events and stderr are still being
+            # read, for a few seconds at most): say why already, not "starting".
+            code, signal_name = exit_status(process.returncode)
+            last_exit = scrub(describe_exit(code, signal_name, self.killed_for))
+            last_exit_time = time.time()
         return WorkerStatus(
             index=self.index,
             pid=process.pid if running and process is not None else None,
             uid=effective_uid(process.pid) if running and process is not None else None,
             started=self.started if running else None,
             restarts=self.restarts,
-            last_exit=scrub(last.reason) if last else None,
-            last_exit_time=last.ts if last else None,
+            last_exit=last_exit,
+            last_exit_time=last_exit_time,
             last_stderr=last.stderr_tail[-1] if last and last.stderr_tail else None,
             restart_at=self.restart_at,
             backoff=last.restart_in if last and self.restart_at is not None else None,

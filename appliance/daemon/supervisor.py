@@ -88,12 +88,17 @@ class WorkerExit(msgspec.Struct, frozen=True):
 
     @property
     def reason(self) -> str:
-        if self.killed_by is not None:
-            how = self.signal or f"status {self.exit_code}"
-            return f"killed by applianced ({how}): {self.killed_by}"
-        if self.signal is not None:
-            return f"killed by {self.signal}"
-        return f"exited with status {self.exit_code}"
+        return describe_exit(self.exit_code, self.signal, self.killed_by)
+
+
+def describe_exit(exit_code: int | None, signal_name: str | None, killed_by: str | None) -> str:
+    """Why a worker exited, in the words `status` and the journal use."""
+    if killed_by is not None:
+        how = signal_name or f"status {exit_code}"
+        return f"killed by applianced ({how}): {killed_by}"
+    if signal_name is not None:
+        return f"killed by {signal_name}"
+    return f"exited with status {exit_code}"
 
 
 def exit_status(returncode: int) -> tuple[int | None, str | None]:
