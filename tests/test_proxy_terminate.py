@@ -412,3 +412,66 @@ def test_leaves_pushed_by_control_message(
     # The empty set: opaque again.
     assert _control(proxy.control_socket, control.CrewLeaves(crew="test")).ok
     assert curl("-x", proxy.url, "--cacert", crew_ca_file, url).returncode == 60
+
+
+def test_a_client_hello_pipelined_behind_the_connect_and_bulk_bytes_both_ways(
+    make_proxy, provider: FakeServer, crew_ca: CrewCA, tmp_path: Path
+) -> None:
+    proxy = make_proxy(extra=_leaf_toml(crew_ca, tmp_path, HOST))
+    provider.clear()
+    context = ssl.create_default_context(cadata=crew_ca.cert_pem.decode())
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname=HOST)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    body = bytes(range(256)) * 8192  # 2 MiB up
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=20) as sock:
+        # The ClientHello in the same segment as the CONNECT: the proxy must not lose it.
+        connect = b"CONNECT %s:%d HTTP/1.1\r\nHost: x\r\n\r\n" % (HOST.encode(), provider.port)
+        sock.sendall(connect + outgoing.read())
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += sock.recv(65536)
+        head, rest = received.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        incoming.write(rest)
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                incoming.write(sock.recv(65536))
+        tls.write(
+            b"POST /v1/upload HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n"
+            % (HOST.encode(), len(body))
+            + body
+            + b"GET /size?n=3000000 HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
+            % HOST.encode()
+        )
+        sock.sendall(outgoing.read())
+        plain = b""
+        while chunk := sock.recv(65536):
+            incoming.write(chunk)
+            while True:
+                try:
+                    plain += tls.read(65536)
+                except (ssl.SSLWantReadError, ssl.SSLZeroReturnError):
+                    break
+            if outgoing.pending:
+                sock.sendall(outgoing.read())
+    assert plain.startswith(b"HTTP/1.1 ") and plain.count(b"HTTP/1.1 200 ") == 2, plain[:300]
+    second = plain[plain.index(b"HTTP/1.1 200 ", 10) :]
+    assert _dechunked(second.split(b"\r\n\r\n", 1)[1]) == b"x" * 3_000_000
+    upload = [r for r in provider.received if r.method == "POST"]
+    assert upload and upload[-1].body == body
+
+
+def _dechunked(data: bytes) -> bytes:
+    body = b""
+    while True:
+        size_line, data = data.split(b"\r\n", 1)
+        size = int(size_line.split(b";")[0], 16)
+        if not size:
+            return body
+        body, data = body + data[:size], data[size + 2 :]
