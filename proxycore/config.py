@@ -119,6 +119,21 @@ class RuleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     paths: tuple[str, ...] = ()
 
 
+class LeafConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A certificate and key (PEM files) the proxy presents to the crew as `host`, to terminate
+    the crew's CONNECT tunnels to it (docs/proxy.md "TLS termination"): a leaf signed by the
+    crew's own CA (appliance/crew_ca.py), never the CA itself."""
+
+    host: str
+    cert_file: str
+    key_file: str
+
+
+# Leaves one crew may hold (each is an SSL context in every worker): the hosts with a credential
+# binding or method and path rules, far fewer in practice. appliance/crew_ca.py caches as many.
+MAX_LEAVES = 1024
+
+
 class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     # The gateway address the crew's traffic arrives on: the crew identity (it cannot be forged
@@ -131,8 +146,12 @@ class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # `[upstream] ssrf_allow` never opens. For a service on the host meant for this crew.
     ssrf_allow: tuple[str, ...] = ()
     # Method and path rules for some of its hosts: requests to such a host are allowed only
-    # when a rule allows them, and a CONNECT tunnel to it is refused (docs/proxy.md).
+    # when a rule allows them, and a CONNECT tunnel to it is refused (docs/proxy.md) unless
+    # the crew holds a leaf for it (then the tunnel is terminated and its requests held to them).
     rules: tuple[RuleConfig, ...] = ()
+    # Hosts whose CONNECT tunnels are terminated (docs/proxy.md "TLS termination"); more may
+    # arrive at run time (control.CrewLeaves), which replaces these.
+    leaves: tuple[LeafConfig, ...] = ()
 
 
 class ProviderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -305,6 +324,17 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
                 raise fail(f"{key}.rules[{j}]", str(exc)) from None
         if len(crew.rules) > MAX_RULES:
             raise fail(f"{key}.rules", f"over {MAX_RULES} rules")
+        if len(crew.leaves) > MAX_LEAVES:
+            raise fail(f"{key}.leaves", f"over {MAX_LEAVES} leaves")
+        leaf_hosts: set[str] = set()
+        for j, leaf in enumerate(crew.leaves):
+            try:
+                host = normalize_host(leaf.host)
+            except PolicyDenied:
+                raise fail(f"{key}.leaves[{j}].host", f"not a valid host: {leaf.host!r}") from None
+            if host in leaf_hosts:
+                raise fail(f"{key}.leaves[{j}].host", f"a second leaf for {host}")
+            leaf_hosts.add(host)
     for j, host in enumerate(config.policy.default_allow):
         try:
             Allowlist([host])

@@ -95,6 +95,31 @@ class KeeperChannelSet(
     token: str
 
 
+class LeafPem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A leaf certificate for one host (PEM, its chain after it if any) and its private key."""
+
+    host: str
+    cert_pem: str
+    key_pem: str
+
+    def __repr__(self) -> str:  # the key stays out of logs and tracebacks
+        return f"LeafPem(host={self.host!r})"
+
+
+class CrewLeaves(msgspec.Struct, frozen=True, tag="crew_leaves", forbid_unknown_fields=True):
+    """Every leaf a crew's tunnels are terminated with (docs/proxy.md "TLS termination").
+
+    The whole set each time: a host missing from it is no longer terminated (its tunnels are
+    opaque again, or refused if it has rules), so applying it is one swap and a lost message is
+    repaired by the next. Applied all or nothing: one unusable leaf changes nothing. It travels
+    only over the parent's socketpair or the control socket; the reply never echoes a key.
+    Tunnels already terminated keep the leaf they were opened with.
+    """
+
+    crew: str
+    leaves: tuple[LeafPem, ...] = ()
+
+
 ControlMessage = (
     AllowHost
     | Ping
@@ -104,6 +129,7 @@ ControlMessage = (
     | CrewRemove
     | AuditPaused
     | KeeperChannelSet
+    | CrewLeaves
 )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import ssl
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from proxycore.config import (
 from proxycore.errors import PolicyDenied, ProxyError
 from proxycore.io.dns import Resolver
 from proxycore.io.http2 import h2_limits
+from proxycore.io.leaves import LeafError, load_leaves, read_leaf_files
 from proxycore.io.sinks import EventSink
 from proxycore.io.upstream import Dialer, make_tls_context
 from proxycore.io.upstream_h2 import H2Pool
@@ -102,6 +104,9 @@ class CrewState:
     accepts: Pacer
     connections: int = 0
     live: set[ClientConnection] = field(default_factory=set)
+    # Host -> the server context of its leaf: CONNECT tunnels to these hosts are terminated
+    # (proxycore/io/terminate.py). Swapped whole (control.CrewLeaves), never mutated.
+    leaves: dict[str, ssl.SSLContext] = field(default_factory=dict)
 
 
 class ProxyRuntime:
@@ -218,6 +223,10 @@ class ProxyRuntime:
                 limits.fair_connections_per_second, limits.fair_connection_burst, math.inf
             ),
         )
+        if crew.leaves:
+            # Read now: the worker has not dropped its privileges yet (the files may be
+            # readable by root only).
+            state.leaves = read_leaf_files(crew.leaves, source=f"crew {crew.name}")
         _, warning = parse_mode(crew.mode)
         if warning:
             self.sink.emit(PolicyWarning(crew=crew.name, message=warning))
@@ -259,6 +268,31 @@ class ProxyRuntime:
         self.dialer.forget_crew(name)
         self.h2.forget_crew(name)
         return control.ControlReply(ok=True, changed=True)
+
+    def set_crew_leaves(self, message: control.CrewLeaves) -> control.ControlReply:
+        """Replace a crew's leaves, all or nothing: every context is built before the swap."""
+        crew = self.crew_named(message.crew)
+        if crew is None:
+            return control.ControlReply(ok=False, error=f"unknown crew {message.crew!r}")
+        try:
+            contexts = load_leaves(
+                (
+                    (leaf.host, leaf.cert_pem.encode("ascii"), leaf.key_pem.encode("ascii"))
+                    for leaf in message.leaves
+                ),
+                source=f"crew_leaves for {crew.name}",
+            )
+        except UnicodeEncodeError:
+            return control.ControlReply(
+                ok=False, error=f"crew_leaves for {crew.name}: PEM must be ASCII"
+            )
+        except LeafError as exc:
+            return control.ControlReply(ok=False, error=str(exc))
+        # Hosts only: a context has no equality, and a re-sent set re-minted for the same hosts
+        # is a change worth reporting anyway (new leaves).
+        changed = bool(contexts) or bool(crew.leaves)
+        crew.leaves = contexts
+        return control.ControlReply(ok=True, changed=changed)
 
     def crew_for(self, local_address: str) -> CrewState | None:
         return self.crews.get(local_address)
@@ -349,6 +383,8 @@ class ProxyRuntime:
             changed = message.paused != self.audit_paused
             self.audit_paused = message.paused
             return control.ControlReply(ok=True, changed=changed)
+        if isinstance(message, control.CrewLeaves):
+            return self.set_crew_leaves(message)
         if isinstance(message, control.KeeperChannelSet):
             changed = message != self.keeper_channel
             self.keeper_channel = message

@@ -37,6 +37,7 @@ import brotli
 import pytest
 import trustme
 
+from appliance.crew_ca import new_ca
 from appliance.daemon.errors import Unavailable
 from appliance.daemon.proxy import CrewEntry, ProxyPool
 from appliance.demo_upstream import FakeServer
@@ -226,6 +227,7 @@ def test_workers_serve_every_path_without_reading_their_interpreter(
         _upstream_failures(a, plain_host.port, ports)
         _overload_and_audit(runner, pool, b)
         _tunnels(a, provider, plain_host, ca)
+        _terminated_tunnels(runner, pool, a, provider, ca)
         _control_messages(runner, pool, port)
         _injection(a, b, provider, {})
         for change in [
@@ -486,6 +488,37 @@ def _tunnels(
         )
         data = read_to_eof(sock)
         assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.") == 2, data[:300]
+
+
+def _terminated_tunnels(
+    runner: PoolThread, pool: ProxyPool, a: tuple[str, int], provider: FakeServer, ca: trustme.CA
+) -> None:
+    """Leaves pushed after the drop (their contexts built from memory, not a file), a tunnel
+    terminated with one, and a client that refuses it (it trusts the real CA only)."""
+    crew_ca = new_ca("alpha")
+    leaf = crew_ca.mint("api.anthropic.test")
+    pem = control.LeafPem(
+        host=leaf.host, cert_pem=leaf.cert_pem.decode(), key_pem=leaf.key_pem.decode()
+    )
+    reply = runner.call(pool._request, control.CrewLeaves(crew="alpha", leaves=(pem,)))
+    assert reply.ok, reply
+    connect = b"CONNECT api.anthropic.test:%d HTTP/1.1\r\nHost: x\r\n\r\n" % provider.port
+    trusting = ssl.create_default_context(cadata=crew_ca.cert_pem.decode())
+    pinned = ssl.create_default_context()
+    ca.configure_trust(pinned)
+    for _ in range(2):  # each worker, likely
+        with socket.create_connection(a, timeout=10) as sock:
+            sock.sendall(connect)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 "), "tunnel not established"
+            with trusting.wrap_socket(sock, server_hostname="api.anthropic.test") as tls:
+                tls.sendall(get(b"/v1/models", b"api.anthropic.test"))
+                assert read_to_eof(tls).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(a, timeout=10) as sock:
+            sock.sendall(connect)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 "), "tunnel not established"
+            with pytest.raises(ssl.SSLCertVerificationError):
+                pinned.wrap_socket(sock, server_hostname="api.anthropic.test")
+    assert runner.call(pool._request, control.CrewLeaves(crew="alpha")).ok
 
 
 def _control_messages(runner: PoolThread, pool: ProxyPool, port: int) -> None:

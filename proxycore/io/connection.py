@@ -47,6 +47,7 @@ from proxycore.io.http2 import (
 )
 from proxycore.io.keeper_client import serve_keeper
 from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
+from proxycore.io.terminate import TerminatedTunnel, serve_terminated
 from proxycore.io.tunnel import serve_tunnel
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.io.websocket import serve_websocket
@@ -67,6 +68,7 @@ from proxycore.protocol.plans import (
     Request,
     ServeKeeper,
     ServeLocal,
+    TerminateTunnel,
 )
 from proxycore.protocol.refusals import Refusal, refusal
 
@@ -96,6 +98,8 @@ class ClientConnection:
         "runtime",
         "scope",
         "stream",
+        "terminated",
+        "tunnel",
         "upstream",
     )
 
@@ -122,6 +126,10 @@ class ClientConnection:
         # request head whole and takes a decided response as status and fields; None: a
         # connection of its own.
         self.pipe: StreamPipe | None = None
+        # Inside a terminated CONNECT tunnel (proxycore/io/terminate.py): its (host, port),
+        # which every request read from now on is planned against, and the tunnel itself.
+        self.tunnel: tuple[str, int] | None = None
+        self.terminated: TerminatedTunnel | None = None
 
     def end(self, reason: str) -> None:
         """End this connection from outside (its crew was removed)."""
@@ -132,6 +140,22 @@ class ClientConnection:
 
     async def run(self) -> None:
         """Serve until the connection ends. Raises nothing but cancellation from outside."""
+        try:
+            await self._run()
+        finally:
+            tunnel = self.terminated
+            if tunnel is not None:
+                # After the last request's terminal event: the tunnel brackets its requests.
+                self.terminated = None
+                if self.ended_by is not None:
+                    reason = self.ended_by
+                elif self.scope.cancelled_caught:
+                    reason = f"{self.phase.value} timeout"
+                else:
+                    reason = "closed"
+                self.emit(tunnel.closed_event(self.crew.name, reason))
+
+    async def _run(self) -> None:
         runtime, crew = self.runtime, self.crew
         runtime.live.add(self)
         crew.live.add(self)
@@ -262,8 +286,9 @@ class ClientConnection:
         """Carry out the exchange's plan for one request; returns whether to keep the
         connection. Raises Refused for an answer the caller writes."""
         runtime, crew = self.runtime, self.crew
-        settings = h2c_settings(head) if head.nominates else None
-        # Upgrade: h2c (RFC 7540 3.2): the request is served as HTTP/2 stream 1.
+        # Upgrade: h2c (RFC 7540 3.2): the request is served as HTTP/2 stream 1. Never inside
+        # a terminated tunnel: h2c is for cleartext only (RFC 9113 3.1).
+        settings = h2c_settings(head) if head.nominates and self.tunnel is None else None
         if settings is not None and await serve_http2_upgrade(self, head, settings):
             return False
         started = self.head_started
@@ -277,6 +302,8 @@ class ClientConnection:
             runtime.routes,
             audit_blocked=runtime.audit_paused or runtime.sink.backlogged,
             max_body=self.limits.max_body_bytes,
+            leaves=crew.leaves,
+            tunnel=self.tunnel,
         )
         if isinstance(plan, Forward):
             self.progress = Progress(
@@ -302,6 +329,9 @@ class ClientConnection:
             return plan.keep_alive
         if isinstance(plan, ServeKeeper):
             return await serve_keeper(self, plan, head)
+        if isinstance(plan, TerminateTunnel):
+            # True: the requests inside are read next, by this same loop.
+            return await serve_terminated(self, plan)
         assert isinstance(plan, OpenTunnel)
         await serve_tunnel(self, plan)
         return False

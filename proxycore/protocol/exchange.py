@@ -13,6 +13,9 @@ journal (`Request`):
     Forward      send the request, with the head built here, to (host, port) over TLS or not;
                  the dialer checks every resolved address before it connects
     OpenTunnel   CONNECT: resolve, check, dial and relay opaque bytes
+    TerminateTunnel  CONNECT to a host the crew holds a leaf for: be that host to the agent (TLS
+                 with the leaf) and plan each request read inside with `tunnel=(host, port)`:
+                 a forward request to (host, port) over verified TLS, every check as for one
 
 The adapter does the I/O and comes back here with what it met: the upstream's response head
 (`proxycore.protocol.responses.plan_response`), a failure (`Request.refused`, `Request.denied`:
@@ -29,6 +32,7 @@ exact allowlist); the declared body size; then the adapter resolves and the SSRF
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 
 from proxycore.errors import PolicyDenied
 from proxycore.protocol import http1, websocket
@@ -54,6 +58,7 @@ from proxycore.protocol.plans import (
     Request,
     ServeKeeper,
     ServeLocal,
+    TerminateTunnel,
 )
 from proxycore.protocol.policy import CrewPolicy, parse_authority
 from proxycore.protocol.refusals import local_json
@@ -92,6 +97,8 @@ _WEBSOCKET_DROP = http1.compile_drop(http1.HOP_BY_HOP | _REQUEST_FRAMING | webso
 # After "http://": the authority runs to the first "/", "?" or "#"; the path and query run to
 # the fragment, which is dropped (RFC 9110 4.2.1: never sent to the origin).
 _ABSOLUTE_TARGET_RE = re.compile(rb"([^/?#]*)([^#]*)")
+# A request inside a terminated tunnel whose Host names another host than the tunnel's.
+RULE_TUNNEL_HOST = "tunnel_host_mismatch"
 _WHY_DENIED = {
     "mode_none": "crew {crew} has network mode none: no egress at all",
     "not_in_allowlist": "{host} is not on the allowlist of crew {crew}",
@@ -114,8 +121,17 @@ def plan_request(
     *,
     audit_blocked: bool,
     max_body: int,
+    leaves: Container[str] = (),
+    tunnel: tuple[str, int] | None = None,
 ) -> Plan:
-    """What to do with one request from `crew` (see the module docstring)."""
+    """What to do with one request from `crew` (see the module docstring).
+
+    `leaves`: the hosts the crew holds a leaf for (a CONNECT to one is terminated). `tunnel`:
+    the request was read inside a terminated tunnel to (host, port)."""
+    if tunnel is not None:
+        return _plan_terminated(
+            head, crew, routes, tunnel, audit_blocked=audit_blocked, max_body=max_body
+        )
     target = head.target
     if target[:7].lower() == b"http://" and head.method != b"CONNECT":
         return _plan_forward(head, crew, routes, audit_blocked=audit_blocked, max_body=max_body)
@@ -134,7 +150,7 @@ def plan_request(
         )
     request = Request(crew.name, crew.mode.value, method=head.method.decode("ascii", "replace"))
     if head.method == b"CONNECT":
-        return _plan_tunnel(head, crew, routes, request, audit_blocked=audit_blocked)
+        return _plan_tunnel(head, crew, routes, request, audit_blocked=audit_blocked, leaves=leaves)
     if target[:1] == b"/":
         return _plan_origin_form(
             head, crew, routes, request, audit_blocked=audit_blocked, max_body=max_body
@@ -236,6 +252,7 @@ def _plan_tunnel(
     request: Request,
     *,
     audit_blocked: bool,
+    leaves: Container[str],
 ) -> Plan:
     try:
         host, port = parse_authority(head.target, -1)
@@ -250,6 +267,14 @@ def _plan_tunnel(
     refused = _check_policy(head, crew, request, audit_blocked=audit_blocked, close=True)
     if refused is not None:
         return refused
+    if host in leaves:
+        # Its requests will be read, so held to the rules one by one (`_plan_terminated`):
+        # termination replaces the refusal of a ruled host's tunnel.
+        route = routes.by_host.get(host)
+        refused = _check_placeholders(head, request, route.provider if route else None, close=True)
+        if refused is not None:
+            return refused
+        return TerminateTunnel(request, host, port)
     if crew.rules:
         denied = crew.rules.tunnel_denied(host)
         if denied is not None:
@@ -310,6 +335,75 @@ def _plan_forward(
             max_body,
         )
     return _forward(head, None, request, host, port, False, path, max_body)
+
+
+def _plan_terminated(
+    head: http1.RequestHead,
+    crew: CrewPolicy,
+    routes: Routes,
+    tunnel: tuple[str, int],
+    *,
+    audit_blocked: bool,
+    max_body: int,
+) -> Plan:
+    """A request read inside a terminated tunnel: a forward request to the tunnel's (host,
+    port) over verified TLS, through every check a forward request passes (the name policy
+    again, since it may have changed since the CONNECT; the rules; the placeholders)."""
+    host, port = tunnel
+    method = head.method.decode("ascii", "replace")
+    request = Request(crew.name, crew.mode.value, "forward", method, host, port)
+    target = head.target
+    if head.method == b"CONNECT" or target[:1] != b"/":
+        # Inside a tunnel the authority is the tunnel's: only origin-form (RFC 9112 3.2.1)
+        # names a resource of it without a second authority to reconcile.
+        return request.refused(
+            400,
+            "bad_request",
+            "requests inside a terminated tunnel use origin-form targets (/path)",
+            close=True,
+        )
+    named = head.get(b"host")
+    if named is not None:
+        try:
+            named_host, _ = parse_authority(named, 443)
+        except PolicyDenied as exc:
+            return request.refused(400, "bad_request", f"bad Host field: {exc}", close=True)
+        if named_host != host:
+            # Domain fronting: the policy (and the leaf) were decided for the CONNECT's host; a
+            # request naming another would have the upstream route it there (a shared CDN
+            # edge) past that decision. 403 (denied, not malformed): the request is well-formed
+            # HTTP, and the policy refuses it. The connection closes: an agent that does this is
+            # not confused about one request. The port is not compared: the upstream Host is
+            # always written from the tunnel's authority.
+            return request.denied(
+                RULE_TUNNEL_HOST,
+                f"this tunnel was opened to {host}; a request in it names {named_host} "
+                "(domain fronting is refused); open a tunnel to that host instead",
+                close=True,
+            )
+    refused = _check_policy(head, crew, request, audit_blocked=audit_blocked)
+    if refused is not None:
+        return refused
+    if crew.rules:
+        refused = _check_rules(head, crew, request, host, target)
+        if refused is not None:
+            return refused
+    provider = routes.by_host.get(host)
+    refused = _check_placeholders(head, request, provider.provider if provider else None)
+    if refused is not None:
+        return refused
+    if provider is not None:
+        return _forward(
+            head,
+            routes.for_crew(provider, crew.name),
+            request,
+            provider.host,
+            provider.port,
+            True,
+            target,
+            max_body,
+        )
+    return _forward(head, None, request, host, port, True, target, max_body)
 
 
 _AUTHORITIES: dict[bytes, tuple[str, int]] = {}

@@ -42,8 +42,10 @@ Methods are compared exactly (RFC 9110 9.1: case-sensitive). A method-override f
 APIs among them) honour in place of the method, must name a method the same rule allows, or the
 request is denied (rule `l7_method`).
 
-A CONNECT to a host with rules is refused (rule `l7_requires_termination`): an opaque tunnel's
-requests cannot be read, so they cannot be held to the rules. Deny rather than not enforce.
+A CONNECT to a host with rules is terminated when the crew holds a leaf certificate for that host
+(docs/proxy.md, "TLS termination"), and its requests are held to the rules one by one. Without a
+leaf it is refused (rule `l7_requires_termination`): an opaque tunnel's requests cannot be read,
+so they cannot be held to the rules. Deny rather than not enforce.
 
 This module is pure: no I/O. fuzz/fuzz_l7.py holds `canonical_path` and the matcher to their
 invariants.
@@ -311,7 +313,8 @@ class L7Rules:
         return L7Denied(
             RULE_REQUIRES_TERMINATION,
             f"{host} has method and path rules for this crew, which an opaque CONNECT tunnel "
-            "cannot enforce: the tunnel is refused",
+            "cannot enforce, and the appliance holds no certificate to terminate it: the tunnel "
+            "is refused",
         )
 
     def check(

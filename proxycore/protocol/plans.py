@@ -25,6 +25,7 @@ __all__ = [
     "Request",
     "ServeKeeper",
     "ServeLocal",
+    "TerminateTunnel",
 ]
 
 
@@ -137,6 +138,16 @@ class OpenTunnel(msgspec.Struct, frozen=True):
     port: int
 
 
+class TerminateTunnel(msgspec.Struct, frozen=True):
+    """CONNECT to a host the crew holds a leaf for: answer 200, be `host` to the agent with that
+    leaf (TLS server side), and plan every request read inside as a forward request to
+    (host, port) over verified TLS (`plan_request(..., tunnel=(host, port))`)."""
+
+    request: Request
+    host: str
+    port: int
+
+
 class Forward(msgspec.Struct, frozen=True):
     """Send the request to (host, port); `head` is the upstream request head up to and
     excluding the framing field and the blank line (see `upstream_head`)."""
@@ -182,4 +193,4 @@ class OpenWebSocket(msgspec.Struct, frozen=True):
         return self.forward.request
 
 
-Plan = Refuse | ServeLocal | ServeKeeper | OpenTunnel | Forward | OpenWebSocket
+Plan = Refuse | ServeLocal | ServeKeeper | OpenTunnel | TerminateTunnel | Forward | OpenWebSocket
