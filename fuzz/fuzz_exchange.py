@@ -15,7 +15,12 @@ Invariants:
   only towards the exact provider host over TLS, and never an agent's framing;
 - a response plan's head reads as a well-formed response, holds no secret, and a refusal of a
   response is a 502;
-- no credential ever appears in a refusal, a response head or an event.
+- no credential ever appears in a refusal, a response head or an event;
+- with method and path rules (flag 128), every forward plan to a ruled host is one the rules
+  allow, and a CONNECT is terminated only to a host the crew holds a leaf for;
+- inside a terminated tunnel (flag 32; the tunnel's host by flag 64), every plan is a refusal or
+  a forward (or WebSocket) plan to exactly the tunnel's host and port over TLS: never a tunnel,
+  the local API or the keeper.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from proxycore.protocol import http1
 from proxycore.protocol.credentials import Credential, Provider, Routes, route_for
 from proxycore.protocol.events import RequestDenied
 from proxycore.protocol.exchange import check_keeper_call, close_after_refusal, plan_request
+from proxycore.protocol.l7 import HostRule, L7Rules
 from proxycore.protocol.plans import (
     Forward,
     OpenTunnel,
@@ -42,6 +48,7 @@ from proxycore.protocol.plans import (
     Refuse,
     ServeKeeper,
     ServeLocal,
+    TerminateTunnel,
 )
 from proxycore.protocol.policy import Allowlist, CrewPolicy, NetworkMode
 from proxycore.protocol.responses import ResponsePlan, plan_response
@@ -165,12 +172,43 @@ def _check_response(plan: Forward, head: http1.RequestHead, payload: bytes) -> N
     _check_response_bytes(out + (b"1234567" if decided.mode.value == "whole" else b""), "a head")
 
 
+_RULES = L7Rules(
+    [
+        HostRule.make("allowed.test", preset="read-only", paths=["/docs/**"]),
+        HostRule.make(_ANTHROPIC.host, methods=["POST"], paths=["/v1/messages"]),
+    ]
+)
+_LEAVES = frozenset({"allowed.test", _ANTHROPIC.host})
+
+
+def _check_rules_and_tunnel(
+    plan: object, head: http1.RequestHead, crew: CrewPolicy, tunnel: tuple[str, int] | None
+) -> None:
+    forward = plan.forward if isinstance(plan, OpenWebSocket) else plan
+    if isinstance(forward, Forward) and crew.rules:
+        path = forward.head.split(b" ", 2)[1]
+        assert crew.rules.check(forward.host, head.method, path, head.headers) is None, (
+            "a forward plan the rules refuse",
+            forward.head,
+        )
+    if isinstance(plan, TerminateTunnel):
+        assert plan.host in _LEAVES, plan
+    if tunnel is not None:
+        assert isinstance(plan, Refuse | Forward | OpenWebSocket), plan
+        if isinstance(forward, Forward):
+            assert (forward.host, forward.port, forward.tls) == (*tunnel, True), forward
+
+
 def TestOneInput(data: bytes) -> None:
     if len(data) < 2:
         return
     flags = data[0]
     allow = ["allowed.test", "api.anthropic.test"] if flags & 4 else ["api.anthropic.test"]
-    crew = CrewPolicy("fuzz", _MODES[flags % 3], Allowlist(allow))
+    rules = _RULES if flags & 128 else L7Rules()
+    crew = CrewPolicy("fuzz", _MODES[flags % 3], Allowlist(allow), rules)
+    tunnel = None
+    if flags & 32:
+        tunnel = ("api.anthropic.test", 443) if flags & 64 else ("allowed.test", 443)
     routes = _routes(store=bool(flags & 8))
     audit_blocked = bool(flags & 16)
     buffer = bytearray()
@@ -188,7 +226,16 @@ def TestOneInput(data: bytes) -> None:
                     break
                 head, consumed = parsed
                 del buffer[:consumed]
-                plan = plan_request(head, crew, routes, audit_blocked=audit_blocked, max_body=4096)
+                plan = plan_request(
+                    head,
+                    crew,
+                    routes,
+                    audit_blocked=audit_blocked,
+                    max_body=4096,
+                    leaves=_LEAVES,
+                    tunnel=tunnel,
+                )
+                _check_rules_and_tunnel(plan, head, crew, tunnel)
                 if isinstance(plan, Refuse):
                     _check_refusal(plan, head, crew.name)
                 elif isinstance(plan, Forward):
@@ -209,8 +256,8 @@ def TestOneInput(data: bytes) -> None:
                 elif isinstance(plan, ServeKeeper):
                     last = (plan, head)
                 else:
-                    assert isinstance(plan, ServeLocal | OpenTunnel), plan
-                    if isinstance(plan, OpenTunnel):
+                    assert isinstance(plan, ServeLocal | OpenTunnel | TerminateTunnel), plan
+                    if isinstance(plan, OpenTunnel | TerminateTunnel):
                         assert not audit_blocked and crew.mode is not NetworkMode.NONE, plan
         elif kind == 1 and last is not None and isinstance(last[0], Forward) and payload:
             _check_response(last[0], last[1], payload)
@@ -259,6 +306,22 @@ SEEDS = [
         (0, b"GET http://allowed.test/ HTTP/1.1\r\nHost: a\r\n\r\n"),
         (1, b"HTTP/1.1 200 \xff" + KEY.encode() + b"\r\ntransfer-encoding: chunked"),
     ),
+    # Method and path rules; a CONNECT to a host with a leaf; requests inside tunnels.
+    _seed((0, b"DELETE http://allowed.test/docs/a HTTP/1.1\r\nHost: a\r\n\r\n"), flags=4 | 128),
+    _seed((0, b"GET http://allowed.test/docs/%2e%2e/x HTTP/1.1\r\nHost: a\r\n\r\n"), flags=132),
+    _seed((0, b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: a\r\n\r\n"), flags=4 | 128),
+    _seed((0, b"GET /docs/a HTTP/1.1\r\nHost: allowed.test\r\n\r\n"), flags=4 | 32 | 128),
+    _seed((0, b"GET /docs/a HTTP/1.1\r\nHost: evil.test\r\n\r\n"), flags=4 | 32),
+    _seed(
+        (
+            0,
+            b"POST /v1/messages HTTP/1.1\r\nHost: api.anthropic.test\r\nx-api-key: own\r\n"
+            b"Content-Length: 2\r\n\r\n",
+        ),
+        (1, b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\nx-k: " + KEY.encode()),
+        flags=4 | 32 | 64,
+    ),
+    _seed((0, b"POST /keeper/request HTTP/1.1\r\nHost: allowed.test\r\n\r\n"), flags=4 | 32),
 ]
 
 
