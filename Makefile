@@ -76,7 +76,7 @@ native-sanitize: install
 	$(BIN)/python -m native.build --sanitize
 	$(SANITIZE_ENV) $(BIN)/python -m pytest -p no:cacheprovider -q \
 		tests/test_native_headscan.py tests/test_http1.py tests/test_http1_relay.py \
-		tests/test_native_scrub.py tests/test_scrub_fold.py
+		tests/test_native_scrub.py tests/test_scrub_fold.py tests/test_scrub_composed.py
 	@for harness in fuzz/fuzz_native_headscan.py fuzz/fuzz_scrub_differential.py \
 		fuzz/fuzz_scrub_fold_differential.py; do \
 		runs=$(FUZZ_RUNS); \

@@ -11,7 +11,6 @@ setup(
     cffi_modules=[
         "native/_build_headscan.py:ffibuilder",
         "native/_build_scrub.py:ffibuilder",
-        "native/_build_fold.py:ffibuilder",
     ],
     # cffi compiles its modules against the stable ABI (Py_LIMITED_API, `.abi3.so`), so one
     # wheel serves every CPython from 3.11 on: tagged cp311-abi3 rather than cp311-cp311

@@ -1,18 +1,13 @@
-"""cffi build script for native._fold (out-of-line API mode): the declarations live here.
-
-The scrubber's second stage (src/fold.c, src/fold.h; the reference is native/scrub_fold.py).
-Used by setup.py (`pip install .` builds it) and by `python -m native.build`. Warnings are
-errors. native/scrub_fold_native.py is the only caller.
+"""The declarations and sources of the scrubber's second stage (src/fold.c, src/fold.h; the
+reference is native/scrub_fold.py), compiled into native._scrub with stage 1 (_build_scrub.py):
+one module, so the composed call (src/composed.c) runs both stages on tables either built.
+native/scrub_fold_native.py is the typed wrapper.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from cffi import FFI
-
-HERE = Path(__file__).resolve().parent
-SRC = HERE / "src"
+# The C files of stage 2, under native/src.
+SOURCES = ("fold.c",)
 
 CDEF = """
 #define FOLD_OK 0
@@ -44,27 +39,3 @@ int fold_feed(fold_stream *st, fold_work *w, const char *in, size_t len, int eof
               const char **out, size_t *out_len);
 int fold_constants(int32_t *out, size_t n);
 """
-
-CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
-
-
-def make_ffi(extra_cflags: list[str] | None = None, *, relative: bool = False) -> FFI:
-    """The builder (paths relative to setup.py for setuptools, absolute for `ffi.compile`)."""
-    src = Path("native/src") if relative else SRC
-    ffi = FFI()
-    ffi.cdef(CDEF)
-    ffi.set_source(
-        "native._fold",
-        '#include "fold.h"',
-        sources=[str(src / "fold.c")],
-        include_dirs=[str(src)],
-        extra_compile_args=CFLAGS + (extra_cflags or []),
-        extra_link_args=list(extra_cflags or []),
-    )
-    return ffi
-
-
-ffibuilder = make_ffi(relative=True)  # for setup.py
-
-if __name__ == "__main__":
-    make_ffi().compile(verbose=True)

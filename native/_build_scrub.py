@@ -1,18 +1,29 @@
 """cffi build script for native._scrub (out-of-line API mode): the declarations live here.
 
+The whole scrubber is one module: stage 1 (src/scrub.c), stage 2 (src/fold.c, whose
+declarations and sources are in _build_fold.py) and src/composed.c, which runs both in one call.
+One module, so a stream of one holds tables the other built (a second copy of fold.c in another
+module would have its own struct layouts).
+
 Used by setup.py (`pip install .` builds it) and by `python -m native.build` (in-place, for a
 source checkout). Warnings are errors. The flattened pattern layout is described in
-src/scrub.h; native/scrub_native.py is the only caller.
+src/scrub.h; native/scrub_native.py and native/scrub_fold_native.py are the only callers.
 """
 
 from __future__ import annotations
 
+import runpy
 from pathlib import Path
 
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "src"
+# By path, not `from native import ...`: setuptools runs this file as a script, without the
+# project on sys.path.
+_FOLD = runpy.run_path(str(HERE / "_build_fold.py"))
+FOLD_CDEF: str = _FOLD["CDEF"]
+FOLD_SOURCES: tuple[str, ...] = _FOLD["SOURCES"]
 
 CDEF = """
 #define SCRUB_OK 0
@@ -53,7 +64,27 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in, size_t len, int 
                const char **out, size_t *out_len, size_t *in_from, size_t *in_to);
 """
 
-CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
+COMPOSED_CDEF = """
+#define COMPOSED_OTHER -1
+#define COMPOSED_SAME -2
+
+typedef struct composed_stream composed_stream;
+typedef struct {
+    int64_t len;
+    const char *out;
+    int rc, stage;
+    size_t head, start, end;
+} composed_result;
+
+int composed_new(const scrub_tables *first, const fold_tables *second, composed_stream **out);
+void composed_free(composed_stream *cs);
+void composed_reset(composed_stream *cs);
+size_t composed_pending(const composed_stream *cs);
+const scrub_stream *composed_first(const composed_stream *cs);
+const composed_result *composed_feed(composed_stream *cs, const char *in, size_t len, int eof);
+"""
+
+CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread"]
 
 
 def make_ffi(extra_cflags: list[str] | None = None, *, relative: bool = False) -> FFI:
@@ -61,14 +92,14 @@ def make_ffi(extra_cflags: list[str] | None = None, *, relative: bool = False) -
     `ffi.compile` runs in a temporary directory and wants them absolute."""
     src = Path("native/src") if relative else SRC
     ffi = FFI()
-    ffi.cdef(CDEF)
+    ffi.cdef(CDEF + FOLD_CDEF + COMPOSED_CDEF)
     ffi.set_source(
         "native._scrub",
-        '#include "scrub.h"',
-        sources=[str(src / "scrub.c")],
+        '#include "scrub.h"\n#include "fold.h"\n#include "composed.h"',
+        sources=[str(src / name) for name in ("scrub.c", *FOLD_SOURCES, "composed.c")],
         include_dirs=[str(src)],
         extra_compile_args=CFLAGS + (extra_cflags or []),
-        extra_link_args=list(extra_cflags or []),
+        extra_link_args=["-pthread", *(extra_cflags or [])],
     )
     return ffi
 

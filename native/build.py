@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-from native import _build_fold, _build_headscan, _build_scrub
+from native import _build_headscan, _build_scrub
 
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZE = [
@@ -29,13 +29,19 @@ SANITIZE = [
 ]
 
 
-# (module name, its build script): every native module.
-MODULES = (("_headscan", _build_headscan), ("_scrub", _build_scrub), ("_fold", _build_fold))
+# (module name, its build script): every native module. The scrubber's stage 2 (fold.c) is
+# compiled into _scrub (see _build_scrub.py); a `_fold` module left by an older build is removed.
+MODULES = (("_headscan", _build_headscan), ("_scrub", _build_scrub))
+RETIRED = ("_fold",)
 
 
 def build(out_dir: Path, extra_cflags: list[str] | None = None) -> list[Path]:
     """Compile every native module; the extensions land in out_dir/native/."""
-    return [_build_one(name, script.make_ffi(extra_cflags), out_dir) for name, script in MODULES]
+    built = [_build_one(name, script.make_ffi(extra_cflags), out_dir) for name, script in MODULES]
+    for name in RETIRED:
+        for stale in (out_dir / "native").glob(f"{name}.*so"):
+            stale.unlink()
+    return built
 
 
 def _build_one(name: str, ffi: FFI, out_dir: Path) -> Path:

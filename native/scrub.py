@@ -20,7 +20,9 @@ name secrets as they always did. Stage 2, the fold matcher (`scrub_fold.py`, C i
 trivially decode (case, separators, invisible characters, NFKC, entities, escapes, repeated
 percent-encoding, ANSI sequences, UTF-16, base64/base32/hex windows, ROT13, reversed). It is
 built only when a secret passes its gate (`scrub_fold.qualifies`); with none, a stream is stage 1
-alone. A composed stream feeds stage 1 then stage 2, and holds what both hold.
+alone. A composed stream feeds stage 1 then stage 2, and holds what both hold: when both
+stages are the C ones, that is one C call per feed (`scrub_native.NativeStream` with fold tables,
+`src/composed.c`), else `ComposedStream` below, which defines what that call does.
 """
 
 from __future__ import annotations
@@ -167,6 +169,8 @@ class Scrubber:
         return ReferenceStream(self._tables)
 
     def stream(self) -> ScrubStream:
+        if self._native is not None and not isinstance(self._fold, FoldTables):
+            return self._native.stream(self._fold)  # both stages (or stage 1 alone) in one call
         first = self._first_stream()
         if self._fold is None:
             return first

@@ -1,5 +1,8 @@
 """Typed wrapper over the C fold engine (`native/src/fold.c`), the scrubber's second stage.
 
+The C is compiled into native._scrub with stage 1 (one module: `scrub_native.NativeStream`
+runs both stages in one call on tables built here); this module drives stage 2 alone.
+
 `NativeFoldTables(secrets)` computes the secrets' folded forms with the reference
 (`scrub_fold.qualified_pieces`) and hands them to C flattened (src/fold.h), which makes the
 windows; `.stream()` gives a stream with the contract of
@@ -21,7 +24,7 @@ from typing import Any
 from native import scrub_fold
 
 try:
-    from native._fold import ffi, lib
+    from native._scrub import ffi, lib
 
     _consts = ffi.new("int32_t[8]")
     _CONSTANTS = tuple(_consts[k] for k in range(lib.fold_constants(_consts, 8)))

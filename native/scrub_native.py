@@ -4,8 +4,10 @@
 stream and thread); `.stream()` gives a stream with the same contract as
 `scrub_reference.ReferenceStream` (`feed`, `flush`, `pending`), `.scrub(data)` scrubs a whole
 input. The output is byte for byte the reference's (`scrub_reference.scrub_whole`) for every
-input and chunking; see tests/test_native_scrub.py. `AVAILABLE` is False when the extension is
-not built, and `native.scrub` then uses the reference.
+input and chunking; see tests/test_native_scrub.py. `.stream(fold_tables)` gives the whole
+scrubber's stream: stage 1 then stage 2 (`scrub_fold_native.NativeFoldTables`) in one C call
+per feed (`src/composed.c`; tests/test_scrub_composed.py). `AVAILABLE` is False when the
+extension is not built, and `native.scrub` then uses the reference.
 
 Flattening: every byte string the engine needs (literal values, names, shape literals, class
 bitmaps, stops, suffixes) goes into one blob; the tables of int32 rows that index it are laid
@@ -20,16 +22,18 @@ import threading
 from array import array
 from typing import Any
 
+from native import scrub_fold_native
+from native.scrub_fold_native import NativeFoldTables
 from native.scrub_patterns import Patterns, Segment, SegmentKind
 
 try:
     from native._scrub import ffi, lib
 
     AVAILABLE = True
-    _feed = lib.scrub_feed
+    _composed_feed = lib.composed_feed
     _unpack = ffi.unpack
 except ImportError:  # not built (no C compiler at install time): the reference serves
-    ffi = lib = _feed = _unpack = None
+    ffi = lib = _composed_feed = _unpack = None
     AVAILABLE = False
 
 __all__ = ["AVAILABLE", "NativeStream", "NativeTables", "ScrubEngineError", "ScrubStateError"]
@@ -168,56 +172,44 @@ def _int32s(rows: array[int]) -> Any:
     return ffi.from_buffer("int32_t[]", rows) if rows else ffi.NULL
 
 
-class _Work(threading.local):
-    """One C work area per thread (scrub.h: a call's scratch and output), shared by every stream
-    and table set the thread uses, with the output slots of scrub_feed."""
-
-    def __init__(self) -> None:
-        out = ffi.new("scrub_work **")
-        code = lib.scrub_work_new(out)
-        if code:
-            _raise(code)
-        work = ffi.gc(out[0], lib.scrub_work_free)
-        span = ffi.new("size_t[2]")
-        self.slots = (work, ffi.new("const char **"), ffi.new("size_t *"), span, span + 1)
+def _composed_error(r: Any, eof: int) -> None:
+    """Raise the error of a composed_feed result: stage 1's codes as ScrubEngineError, stage 2's
+    as FoldEngineError (what each stage's own wrapper raises)."""
+    if r.stage == 2:
+        scrub_fold_native._raise(r.rc, eof)
+    _raise(r.rc, eof)
 
 
-_local_work: _Work | None = _Work() if AVAILABLE else None
+def _other(r: Any, data: Any, eof: int) -> bytes:
+    """A composed_feed result that is not plain output (composed.h): the input itself, a long
+    unchanged end of the input to join, or an error."""
+    n = r.len
+    if n == lib.COMPOSED_SAME:
+        return data if type(data) is bytes else bytes(data)
+    if r.rc:
+        _composed_error(r, eof)
+    view = memoryview(data).cast("B")[r.start : r.end]
+    head = r.head
+    return b"".join((ffi.buffer(r.out, head), view)) if head else bytes(view)
 
 
-def _scrub_call(st: Any, data: bytes | bytearray | memoryview, eof: int) -> bytes:
-    assert _local_work is not None
-    work, out, out_len, start_p, end_p = _local_work.slots
+def _composed_call(cs: Any, data: Any, eof: int) -> bytes:
+    """composed_feed on any bytes-like input (the streams' fast paths take bytes only)."""
     buf = data if type(data) is bytes else ffi.from_buffer(data)
-    code = _feed(st, work, buf, len(buf), eof, out, out_len, start_p, end_p)
-    if code:
-        _raise(code, eof)
-    # The output: what the C wrote, then data[start:end] (the input after the last redaction,
-    # unchanged, which the C does not copy).
-    n = out_len[0]
-    start, end = start_p[0], end_p[0]
-    if start == end:
-        result: bytes = _unpack(out[0], n) if n else b""
-        return result
-    if n == 0:
-        if start == 0 and end == len(data) and type(data) is bytes:
-            return data
-        return bytes(memoryview(data)[start:end])
-    return b"".join((ffi.buffer(out[0], n), memoryview(data)[start:end]))
+    r = _composed_feed(cs, buf, len(buf), eof)
+    n = r.len
+    if n > 0:
+        out: bytes = _unpack(r.out, n)
+        return out
+    return _other(r, data, eof) if n else b""
 
 
-def work_footprint() -> int:
-    """Bytes this thread's work area holds (its scratch and the last output)."""
-    assert _local_work is not None
-    return int(lib.scrub_work_footprint(_local_work.slots[0]))
-
-
-def _new_stream(tables: Any) -> Any:
-    out = ffi.new("scrub_stream **")
-    code = lib.scrub_stream_new(tables, out)
+def _new_composed(tables: Any, fold: Any) -> Any:
+    out = ffi.new("composed_stream **")
+    code = lib.composed_new(tables, fold, out)
     if code:
         _raise(code)
-    return ffi.gc(out[0], lib.scrub_stream_free)
+    return ffi.gc(out[0], lib.composed_free)
 
 
 class NativeTables:
@@ -266,48 +258,65 @@ class NativeTables:
         """Whether the scan uses the AVX2 loops."""
         return bool(lib.scrub_tables_simd(self._tables))
 
-    def stream(self) -> NativeStream:
-        return NativeStream(self)
+    def stream(self, fold: NativeFoldTables | None = None) -> NativeStream:
+        """A stream of stage 1 alone, or with `fold`, of stage 1 then that stage 2."""
+        return NativeStream(self, fold)
 
     def scrub(self, data: bytes) -> bytes:
         """The scrubbed form of a complete input (`scrub_reference.scrub_whole`)."""
-        st = getattr(self._local, "stream", None)
-        if st is None:
-            st = self._local.stream = _new_stream(self._tables)
+        cs = getattr(self._local, "stream", None)
+        if cs is None:
+            cs = self._local.stream = _new_composed(self._tables, ffi.NULL)
         try:
-            return _scrub_call(st, data, 1)
+            return _composed_call(cs, data, 1)
         finally:
-            lib.scrub_stream_reset(st)
+            lib.composed_reset(cs)
 
 
 class NativeStream:
-    """One stream over shared `NativeTables`: feed chunks, then flush once. Not for concurrent
-    use by several threads (the engine refuses a second concurrent call)."""
+    """One stream over shared `NativeTables`: feed chunks, then flush once. With `fold`, the
+    scrubber's stage 2 runs on what stage 1 releases, in the same C call (src/composed.c): the
+    bytes and the feeds they come out at are `native.scrub.ComposedStream`'s over a stage-1
+    stream and a `NativeFoldStream`. Not for concurrent use by several threads (the engine
+    refuses a second concurrent call)."""
 
-    __slots__ = ("_st", "_tables")
+    __slots__ = ("_cs", "_fold", "_tables")
 
-    def __init__(self, tables: NativeTables) -> None:
-        self._tables = tables  # keeps the C tables alive as long as the stream
-        self._st = _new_stream(tables._tables)
+    def __init__(self, tables: NativeTables, fold: NativeFoldTables | None = None) -> None:
+        # The references keep the C tables alive as long as the stream.
+        self._tables = tables
+        self._fold = fold
+        self._cs = _new_composed(tables._tables, ffi.NULL if fold is None else fold._tables)
 
     @property
     def pending(self) -> int:
-        """Input bytes held back, waiting to know whether they start a secret."""
-        return int(lib.scrub_stream_pending(self._st))
+        """Input bytes held back (by both stages), waiting to know whether they are a secret."""
+        return int(lib.composed_pending(self._cs))
 
     @property
     def footprint(self) -> int:
-        """Bytes the C side of this stream holds (state and pending tail)."""
-        return int(lib.scrub_stream_footprint(self._st))
+        """Bytes the C side of stage 1 holds for this stream (state and pending tail)."""
+        return int(lib.scrub_stream_footprint(lib.composed_first(self._cs)))
 
+    # The hot path: one cffi call of four arguments, whose result is this thread's own record
+    # (composed.h), read at once; bytes only (cffi refuses anything else with a TypeError, before
+    # the C runs: other buffers take the general path).
     def feed(self, chunk: bytes) -> bytes:
         """Scrubbed output that is final now (possibly empty)."""
-        return _scrub_call(self._st, chunk, 0)
+        try:
+            r = _composed_feed(self._cs, chunk, len(chunk), 0)
+        except TypeError:
+            return _composed_call(self._cs, chunk, 0)
+        n = r.len
+        if n > 0:
+            out: bytes = _unpack(r.out, n)
+            return out
+        return _other(r, chunk, 0) if n else b""
 
     def flush(self) -> bytes:
         """The rest, at the end of the stream; the stream takes no more input after it."""
-        return _scrub_call(self._st, b"", 1)
+        return _composed_call(self._cs, b"", 1)
 
     def flush_with(self, data: bytes) -> bytes:
         """`feed(data) + flush()` in one call."""
-        return _scrub_call(self._st, data, 1)
+        return _composed_call(self._cs, data, 1)
