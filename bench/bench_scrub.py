@@ -82,6 +82,7 @@ from __future__ import annotations
 import argparse
 import base64
 import ctypes
+import dataclasses
 import gc
 import hashlib
 import importlib.metadata
@@ -664,12 +665,25 @@ def shape_regex(shape: Any, flavor: str) -> bytes:
     `not_before` as a lookahead, a `stop` literal as a lookahead per byte, suffixes as
     lookbehinds. `hs` (hyperscan has no lookaround and no possessive repeats): `not_after` as
     `(?:^|[^...])` before the match, `not_before` as `(?:[^...]|$)` after it, a `stop` literal
-    not applied (the run may cross it), suffixes as literals the run ends with."""
+    not applied (the run may cross it), suffixes as literals the run ends with; a shape without
+    `not_before` ends at its trailing repeat's minimum, without its optional segments (so it is
+    reported once per occurrence; a scrubber would extend it in its own code)."""
     from native.scrub_patterns import SegmentKind
 
     plus = b"+" if flavor == "re" else b""
     parts: list[bytes] = []
-    for k, seg in enumerate(shape.segments):
+    segments = list(shape.segments)
+    trim = flavor == "hs" and not shape.not_before
+    if trim and shape.optional_from != -1:
+        del segments[shape.optional_from :]
+    for k, seg in enumerate(segments):
+        if trim and k == len(segments) - 1 and seg.kind is not SegmentKind.LITERAL:
+            # hyperscan reports every end a repeat allows: a trailing run of n bytes would be
+            # n reports, each a Python call (the PEM body, a JSON value). Cut at its minimum it
+            # is one report per occurrence, which is what a scrubber on hyperscan needs.
+            seg = dataclasses.replace(seg, max=seg.min)
+            if not seg.min:
+                break
         if seg.kind is SegmentKind.LITERAL:
             text = hs_escape(seg.literal)
             part = b"(?i:" + text + b")" if seg.fold_case else text
@@ -694,7 +708,7 @@ def shape_regex(shape: Any, flavor: str) -> bytes:
             ends = b"|".join(hs_escape(x) for x in seg.suffixes)
             reps = b"{%d,%d}" % (max(0, seg.min - short), max(0, seg.max - short))
             parts.append(unit + reps + b"(?i:" + ends + b")")
-    if shape.optional_from != -1:
+    if shape.optional_from != -1 and not trim:
         k = shape.optional_from
         parts[k:] = [b"(?:" + b"".join(parts[k:]) + b")?"]
     body = b"".join(parts)
