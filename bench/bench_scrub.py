@@ -47,6 +47,16 @@ Subjects (peers report their match count; none of them is checked for what it re
   per chunk and stream mode across chunks. The shapes are written so each occurrence is
   reported once where its fixed part and minimum repetition end (a hyperscan scrubber would
   then extend and redact it in its own code, which is not counted).
+- `re-derived`, `hs-block-derived`, `hs-stream-derived` (by name only, not in the default run):
+  the same derived pattern set our composed scrubber matches (`derived_patterns`): stage 1's
+  literals (every 8-byte window of each raw value, its whole encodings), stage 2's windows
+  (every 16 characters of each derived form: raw, reversed, ROT13, ROT13-reversed, hex, base64
+  at 3 alignments, base32 at 5; and the shorter pieces) as ASCII caseless literals
+  (HS_FLAG_CASELESS; `(?i:)` for `re`), and every default shape as a regex (`shape_regex`;
+  each shape hyperscan cannot compile is listed and left out). `re` gets its literals as a
+  trie (`trie_regex`): the same set, which it runs some 800 times faster than a flat
+  alternation. What the peers do not do and ours does: stage 2's decoding and separator
+  skipping, the shape validators.
 
 A subject whose full pass would take longer than `--budget` seconds is timed on a prefix of the
 chunks sized from a first (warm-up) pass over 256 KiB; `bytes_measured` says how much.
@@ -72,6 +82,7 @@ from __future__ import annotations
 import argparse
 import base64
 import ctypes
+import dataclasses
 import gc
 import hashlib
 import importlib.metadata
@@ -110,7 +121,11 @@ SUBJECTS = (
     "hs-block",
     "hs-stream",
 )
-PEERS = SUBJECTS[2:]
+# The peers given the same derived pattern set as our composed scrubber (`derived_patterns`):
+# not in the default run (`re` over ~200k branches is slow to compile and to run), by name.
+DERIVED = ("re-derived", "hs-block-derived", "hs-stream-derived")
+SUBJECTS_ALL = (*SUBJECTS, *DERIVED)
+PEERS = (*SUBJECTS[2:], *DERIVED)
 LABELS = {
     "ours-stream": "ours stream",
     "ours-scrub": "ours scrub()",
@@ -120,6 +135,9 @@ LABELS = {
     "aho-windows": "pyahocorasick +windows",
     "hs-block": "hyperscan block",
     "hs-stream": "hyperscan stream",
+    "re-derived": "re derived",
+    "hs-block-derived": "hyperscan block derived",
+    "hs-stream-derived": "hyperscan stream derived",
 }
 CORPORA = ("json", "code", "random")
 CODE_PACKAGES = (
@@ -612,6 +630,166 @@ def hs_escape(value: bytes) -> bytes:
     )
 
 
+# --------------------------------------------------------------------------- derived patterns
+#
+# What our composed scrubber matches, as patterns a peer can take: stage 1's literals (every
+# 8-byte window of each raw value, and its whole encodings), stage 2's windows (every 16
+# characters of each derived form of each secret that passes the fold gate, and the shorter
+# pieces, as ASCII caseless literals: the folded text is lower-case letters and digits), and
+# every default shape as a regex. The peers scan the raw bytes for them; what stage 2 does on top
+# (decoding %XX, &#NN;, \\uXXXX and friends, skipping inserted separators, folding look-alikes)
+# and the shape validators (checksums, entropy, placeholders) would be their own code after a
+# match, not counted here.
+
+
+def _class_regex(members: frozenset[int]) -> bytes:
+    """A byte class as `[...]` (or `[^...]` when that is shorter), ranges merged, every byte
+    that is not a letter or digit as \\xHH so both `re` and hyperscan read it the same."""
+    negate = len(members) > 128
+    chosen = sorted(set(range(256)) - members if negate else members)
+    parts: list[bytes] = []
+    k = 0
+    while k < len(chosen):
+        j = k
+        while j + 1 < len(chosen) and chosen[j + 1] == chosen[j] + 1:
+            j += 1
+        lo, hi = hs_escape(bytes([chosen[k]])), hs_escape(bytes([chosen[j]]))
+        parts.append(lo if j == k else lo + (b"-" if j > k + 1 else b"") + hi)
+        k = j + 1
+    return b"[" + (b"^" if negate else b"") + b"".join(parts) + b"]"
+
+
+def shape_regex(shape: Any, flavor: str) -> bytes:
+    """One shape of `native.scrub_patterns` as a regex. `re`: possessive repeats, `not_after` as
+    a lookbehind placed after the opening literal (so the pattern still opens with a literal),
+    `not_before` as a lookahead, a `stop` literal as a lookahead per byte, suffixes as
+    lookbehinds. `hs` (hyperscan has no lookaround and no possessive repeats): `not_after` as
+    `(?:^|[^...])` before the match, `not_before` as `(?:[^...]|$)` after it, a `stop` literal
+    not applied (the run may cross it), suffixes as literals the run ends with; a shape without
+    `not_before` ends at its trailing repeat's minimum, without its optional segments (so it is
+    reported once per occurrence; a scrubber would extend it in its own code)."""
+    from native.scrub_patterns import SegmentKind
+
+    plus = b"+" if flavor == "re" else b""
+    parts: list[bytes] = []
+    segments = list(shape.segments)
+    trim = flavor == "hs" and not shape.not_before
+    if trim and shape.optional_from != -1:
+        del segments[shape.optional_from :]
+    for k, seg in enumerate(segments):
+        if trim and k == len(segments) - 1 and seg.kind is not SegmentKind.LITERAL:
+            # hyperscan reports every end a repeat allows: a trailing run of n bytes would be
+            # n reports, each a Python call (the PEM body, a JSON value). Cut at its minimum it
+            # is one report per occurrence, which is what a scrubber on hyperscan needs.
+            seg = dataclasses.replace(seg, max=seg.min)
+            if not seg.min:
+                break
+        if seg.kind is SegmentKind.LITERAL:
+            text = hs_escape(seg.literal)
+            part = b"(?i:" + text + b")" if seg.fold_case else text
+            if k == 0 and shape.not_after and flavor == "re":
+                part += b"(?<!" + _class_regex(shape.not_after) + part + b")"
+            parts.append(part)
+            continue
+        if seg.kind is SegmentKind.JSON_STRING:
+            unit = rb'(?:[^"\x5c]|\x5c[\x00-\xff])'
+            parts.append(unit + b"{%d,%d}" % (seg.min, seg.max) + plus)
+            continue
+        unit = _class_regex(seg.members)
+        if seg.stop and flavor == "re":
+            unit = b"(?:(?!" + hs_escape(seg.stop) + b")" + unit + b")"
+        if not seg.suffixes:
+            parts.append(unit + b"{%d,%d}" % (seg.min, seg.max) + plus)
+        elif flavor == "re":
+            behind = b"|".join(b"(?<=(?i:" + hs_escape(x) + b"))" for x in seg.suffixes)
+            parts.append(unit + b"{%d,%d}" % (seg.min, seg.max) + plus + b"(?:" + behind + b")")
+        else:
+            short = min(len(x) for x in seg.suffixes)
+            ends = b"|".join(hs_escape(x) for x in seg.suffixes)
+            reps = b"{%d,%d}" % (max(0, seg.min - short), max(0, seg.max - short))
+            parts.append(unit + reps + b"(?i:" + ends + b")")
+    if shape.optional_from != -1 and not trim:
+        k = shape.optional_from
+        parts[k:] = [b"(?:" + b"".join(parts[k:]) + b")?"]
+    body = b"".join(parts)
+    everything = frozenset(range(256))
+    if shape.not_before and flavor == "re":
+        body += b"(?!" + _class_regex(shape.not_before) + b")"
+    elif shape.not_before:
+        body += b"(?:" + _class_regex(everything - shape.not_before) + b"|$)"
+    if shape.not_after and flavor == "hs":
+        body = b"(?:^|" + _class_regex(everything - shape.not_after) + b")" + body
+    return body
+
+
+def derived_patterns(secrets: Sequence[tuple[str, bytes]]) -> tuple[list[bytes], list[bytes]]:
+    """(exact literals, caseless literals): stage 1's and stage 2's, deduplicated."""
+    from native.scrub_fold import FoldTables
+    from native.scrub_patterns import WINDOW, compile_patterns
+
+    exact: dict[bytes, None] = {}
+    for literal in compile_patterns(secrets, ()).literals:
+        value = literal.value
+        if literal.window:
+            for i in range(len(value) - WINDOW + 1):
+                exact[value[i : i + WINDOW]] = None
+        else:
+            exact[value] = None
+    caseless: dict[bytes, None] = {}
+    for table in FoldTables(secrets).windows.values():
+        caseless.update(dict.fromkeys(table))
+    return list(exact), list(caseless)
+
+
+def trie_regex(words: Sequence[bytes]) -> bytes:
+    """One regex for a set of literals, as a trie: `ab(?:c|d)` for `abc`, `abd`. Python's `re`
+    tries an alternation's branches one by one at each position, so a flat alternation of
+    200,000 literals runs at about 100 bytes/s; as a trie it only follows the branches that
+    match. The set it matches is the same."""
+    trie: dict[int, Any] = {}
+    for word in words:
+        node = trie
+        for b in word:
+            node = node.setdefault(b, {})
+        node[-1] = None  # a word ends here
+
+    def emit(node: dict[int, Any]) -> bytes:
+        out = b""
+        while len(node) == 1 and -1 not in node:  # a chain: no group (long hex tails)
+            ((b, node),) = node.items()
+            out += re.escape(bytes([b]))
+        branches = [re.escape(bytes([b])) + emit(child) for b, child in node.items() if b != -1]
+        if not branches:
+            return out
+        optional = b"?" if -1 in node else b""  # a word also ends here
+        return out + b"(?:" + b"|".join(branches) + b")" + optional
+
+    return emit(trie)
+
+
+_HS_UNCOMPILABLE: dict[str, list[str]] = {}
+
+
+def hs_shape_expressions(hyperscan: Any) -> tuple[list[bytes], list[str]]:
+    """The default shapes as hyperscan regexes, each one compiled alone in both modes first:
+    (those that compile, the names of those that do not, with the reason)."""
+    from native.scrub_patterns import DEFAULT_SHAPES
+
+    ok: list[bytes] = []
+    failed: list[str] = []
+    for shape in DEFAULT_SHAPES:
+        expression = shape_regex(shape, "hs")
+        try:
+            for mode in (hyperscan.HS_MODE_BLOCK, hyperscan.HS_MODE_STREAM):
+                db = hyperscan.Database(mode=mode)
+                db.compile(expressions=[expression], ids=[0], elements=1, flags=0)
+        except hyperscan.HyperscanError as exc:
+            failed.append(f"{shape.name}: {exc}")
+            continue
+        ok.append(expression)
+    return ok, failed
+
+
 # --------------------------------------------------------------------------- subjects
 
 
@@ -815,7 +993,75 @@ def build_subjects(
                     continue
                 compile_s[f"{name}_db_bytes"] = db.size()
                 subjects[name] = (HsBlock if name == "hs-block" else HsStream)(db)
+    if any(name in wanted for name in DERIVED):
+        build_derived(secrets, wanted, compile_s, subjects, unavailable)
     return subjects, compile_s
+
+
+def build_derived(
+    secrets: Sequence[tuple[str, bytes]],
+    wanted: Sequence[str],
+    compile_s: dict[str, Any],
+    subjects: dict[str, Subject],
+    unavailable: dict[str, str],
+) -> None:
+    """The `*-derived` subjects: `derived_patterns` and the shapes, in one database/regex."""
+    from native.scrub_patterns import DEFAULT_SHAPES
+
+    (exact, caseless), compile_s["derived_s"] = timed(lambda: derived_patterns(secrets))
+    compile_s["derived_exact"] = len(exact)
+    compile_s["derived_caseless"] = len(caseless)
+    if "re-derived" in wanted:
+        re.purge()
+        source = b"|".join(
+            [
+                trie_regex(exact),
+                b"(?i:" + trie_regex([v.lower() for v in caseless]) + b")",
+                *(b"(?:" + shape_regex(shape, "re") + b")" for shape in DEFAULT_SHAPES),
+            ]
+        )
+        pattern, compile_s["re-derived"] = timed(lambda: re.compile(source))
+        subjects["re-derived"] = ReSub("re-derived", pattern)
+    hs_wanted = [n for n in ("hs-block-derived", "hs-stream-derived") if n in wanted]
+    if not hs_wanted:
+        return
+    try:
+        import hyperscan
+    except ImportError as exc:
+        for name in hs_wanted:
+            unavailable[name] = f"hyperscan not importable ({exc}); pip install hyperscan"
+        return
+    if not _HS_UNCOMPILABLE:
+        shapes, failed = hs_shape_expressions(hyperscan)
+        _HS_UNCOMPILABLE["shapes"] = [s.decode("latin-1") for s in shapes]
+        _HS_UNCOMPILABLE["failed"] = failed
+    shapes = [s.encode("latin-1") for s in _HS_UNCOMPILABLE["shapes"]]
+    compile_s["hs_shapes"] = len(shapes)
+    compile_s["hs_shapes_uncompilable"] = _HS_UNCOMPILABLE["failed"]
+    expressions = [hs_escape(v) for v in exact] + [hs_escape(v) for v in caseless] + shapes
+    flags = [0] * len(exact) + [hyperscan.HS_FLAG_CASELESS] * len(caseless) + [0] * len(shapes)
+    for name in hs_wanted:
+        mode = hyperscan.HS_MODE_BLOCK if name == "hs-block-derived" else hyperscan.HS_MODE_STREAM
+
+        def build_database(mode: int = mode) -> Any:
+            db = hyperscan.Database(mode=mode)
+            db.compile(
+                expressions=expressions,
+                ids=list(range(len(expressions))),
+                elements=len(expressions),
+                flags=flags,
+            )
+            return db
+
+        try:
+            db, compile_s[name] = timed(build_database)
+        except hyperscan.HyperscanError as exc:
+            unavailable[name] = f"hyperscan compile failed: {exc}"
+            continue
+        compile_s[f"{name}_db_bytes"] = db.size()
+        subject = (HsBlock if name == "hs-block-derived" else HsStream)(db)
+        subject.name = name
+        subjects[name] = subject
 
 
 # --------------------------------------------------------------------------- measuring
@@ -1254,6 +1500,8 @@ def print_tables(summary: dict[str, Any]) -> None:
                 ),
                 entry.get("ours_tables_bytes"),
                 entry.get("hs-block_db_bytes"),
+                entry.get("hs-block-derived_db_bytes"),
+                entry.get("hs-stream-derived_db_bytes"),
             ]
         )
     print(
@@ -1264,11 +1512,22 @@ def print_tables(summary: dict[str, Any]) -> None:
                 *(LABELS.get(s, s) for s in compile_subjects),
                 "ours tables B",
                 "hs block db B",
+                "hs block derived db B",
+                "hs stream derived db B",
             ],
             rows,
         )
     )
 
+    for entry in summary["compile"]:
+        if "derived_exact" in entry:
+            print(
+                f"\nderived patterns ({entry['secrets']} secrets): {entry['derived_exact']:,} "
+                f"exact literals, {entry['derived_caseless']:,} caseless (stage 2) windows, "
+                f"{entry.get('hs_shapes', len(RE_SHAPES))} shapes for hyperscan"
+            )
+        for failed in entry.get("hs_shapes_uncompilable", []):
+            print(f"  hyperscan cannot compile shape {failed}")
     for name, reason in summary.get("unavailable", {}).items():
         print(f"\n{name}: not measured ({reason})")
     if not summary["memory"]:
@@ -1480,7 +1739,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpora", default=",".join(CORPORA), help="json,code,random")
     parser.add_argument("--corpus-size", default=None, help="bytes per corpus before planting (8m)")
     parser.add_argument(
-        "--subjects", default=",".join(SUBJECTS), help=f"which to run ({','.join(SUBJECTS)})"
+        "--subjects",
+        default=",".join(SUBJECTS),
+        help=f"which to run ({','.join(SUBJECTS)}; also {','.join(DERIVED)})",
     )
     parser.add_argument("--repeat", type=int, default=None, help="timed passes per figure (3)")
     parser.add_argument(
@@ -1573,7 +1834,7 @@ def main(argv: list[str] | None = None) -> int:
     corpora = [c for c in args.corpora.split(",") if c]
     wanted = [s for s in args.subjects.split(",") if s]
     for s in wanted:
-        if s not in SUBJECTS:
+        if s not in SUBJECTS_ALL:
             parser.error(f"unknown subject {s!r}")
     for c in corpora:
         if c not in CORPORA:

@@ -114,6 +114,10 @@ SHAPE_PIECES: tuple[bytes, ...] = (
     b"<your-key>",
     b"aaaaaa",
     b"API_KEY=",
+    # A published example key (never redacted by a shape) and a third of a small PEM key body
+    # (the private-key shape wants 43 base64 characters between BEGIN and END).
+    b"AIzaSyAnLA7NfeLquW1tJFpx_eQCxoX-oo6YyIs",
+    b"MC4CAQAwBQYDK2VwBCIEI",
 )
 BYTE_PIECES: tuple[bytes, ...] = (
     *ZERO_WIDTH,

@@ -34,6 +34,8 @@ match; other shapes and literals are not affected):
 - `check=Check.CRC32_BASE62`: the last 6 characters are the base62 (`0-9A-Za-z`, most significant
   first, zero-padded) CRC-32 (ISO-HDLC, as zlib) of the characters before them: GitHub's
   `ghp_`/`gho_`/`ghu_`/`ghs_`/`ghr_` tokens and npm's `npm_` tokens (30 random + 6 checksum);
+- `check=Check.PEM_KEY`: a complete PEM/OpenSSH block's text between its BEGIN and END lines
+  holds at least `PEM_MIN_BASE64` base64 characters, room for a key (`pem_key_ok`);
 - `min_entropy=e`: the body's collision (Renyi order-2) entropy, in bits per character, is at
   least `e`: n**2 >= 2**e * sum(count**2) over its byte counts, computed in integers
   (`Shape.entropy_k`) so both engines agree exactly, where Shannon entropy would need floating
@@ -46,6 +48,8 @@ match; other shapes and literals are not affected):
   `{...}` whole) or a variable reference (`$` then only `A-Z0-9_`). `Placeholder.VALUE`, for
   key/value forms whose value a person chose (a password may well hold a word or `123456`):
   only the templates, the variable reference and the runs of equal bytes (`is_template_value`).
+  With `Placeholder.TOKEN`, a match whose redacted text is one of `PUBLISHED_EXAMPLES` (keys a
+  provider publishes as examples) is rejected too.
 """
 
 from __future__ import annotations
@@ -145,10 +149,11 @@ def json_string(lo: int, hi: int) -> Segment:
 
 
 class Check(enum.IntEnum):
-    """A checksum a shape's body must satisfy (see the module docstring)."""
+    """A check of its structure a shape's body must pass (see the module docstring)."""
 
     NONE = 0
     CRC32_BASE62 = 1
+    PEM_KEY = 2
 
 
 BASE62 = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -189,10 +194,65 @@ def crc32_base62(data: bytes) -> bytes:
     return bytes(reversed(out))
 
 
+# The base64 characters a complete PEM/OpenSSH block's body must hold to be a key: 43 is the
+# base64 of 32 bytes, the smallest secret a private key format carries (an Ed25519 or X25519
+# seed, a P-256 scalar); the smallest real block (Ed25519 in PKCS#8) has 64. Below it the block
+# is an example (`...PRIVATE KEY-----\nanything\n-----END...`, or empty). A block cut before its
+# END line is not judged: what follows may be the key, so it stays redacted.
+PEM_MIN_BASE64 = 43
+_B64_ALPHABET = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+
+
+def pem_key_ok(body: bytes) -> bool:
+    """The body of a `private-key` match (label, `-----`, the block's text, then the END line if
+    the block is complete) could hold a key: a block cut short, or one whose text between its
+    BEGIN and END lines holds at least `PEM_MIN_BASE64` base64 characters (headers and the
+    letters of `\\n` escapes count too: they only err towards redacting)."""
+    start = body.find(b"-----")  # the label has no '-': this is the BEGIN line's end
+    if start < 0:
+        return True
+    start += 5
+    end = body.find(b"-----END ", start)  # the text stops before the first one
+    if end < 0:
+        return True
+    return sum(1 for b in body[start:end] if b in _B64_ALPHABET) >= PEM_MIN_BASE64
+
+
 def checksum_ok(check: Check, body: bytes) -> bool:
     if check is Check.CRC32_BASE62:
         return len(body) > 6 and crc32_base62(body[:-6]) == body[-6:]
+    if check is Check.PEM_KEY:
+        return pem_key_ok(body)
     return True
+
+
+# Credentials that their publisher gives out as examples, by value: a shape never redacts one
+# (it is public by its publisher's word, like `AKIAIOSFODNN7EXAMPLE`, but with nothing in it to
+# say so). Each is the exact text the shape would redact; the table applies to shapes with the
+# token placeholder filter. A credential the appliance holds is a known value and is redacted
+# whatever it is. The C engine (src/scrub.c, PUBLISHED_EXAMPLES) holds the same list.
+PUBLISHED_EXAMPLES = frozenset(
+    {
+        # Google API keys published in Firebase's SDK sources and tests
+        # (github.com/firebase/firebase-android-sdk; gitleaks allowlists them by value).
+        b"AIzaSyabcdefghijklmnopqrstuvwxyz1234567",
+        b"AIzaSyAnLA7NfeLquW1tJFpx_eQCxoX-oo6YyIs",
+        b"AIzaSyCkEhVjf3pduRDt6d1yKOMitrUEke8agEM",
+        b"AIzaSyDMAScliyLx7F0NPDEJi1QmyCgHIAODrlU",
+        b"AIzaSyD3asb-2pEZVqMkmL6M9N6nHZRR_znhrh0",
+        b"AIzayDNSXIbFmlXbIE6mCzDLQAqITYefhixbX4A",
+        b"AIzaSyAdOS2zB6NCsk1pCdZ4-P6GBdi_UUPwX7c",
+        b"AIzaSyASWm6HmTMdYWpgMnjRBjxcQ9CKctWmLd4",
+        b"AIzaSyANUvH9H9BsUccjsu2pCmEkOPjjaXeDQgY",
+        b"AIzaSyA5_iVawFQ8ABuTZNUdcwERLJv_a_p4wtM",
+        b"AIzaSyA4UrcGxgwQFTfaI3no3t7Lt1sjmdnP5sQ",
+        b"AIzaSyDSb51JiIcB6OJpwwMicseKRhhrOq1cS7g",
+        b"AIzaSyBF2RrAIm4a0mO64EShQfqfd2AFnzAvvuU",
+        b"AIzaSyBcE-OOIbhjyR83gm4r2MFCu4MJmprNXsw",
+        b"AIzaSyB8qGxt4ec15vitgn44duC5ucxaOi4FmqE",
+        b"AIzaSyA8vmApnrHNFE0bApF4hoZ11srVL_n0nvY",
+    }
+)
 
 
 def entropy_ok(k: int, body: bytes) -> bool:
@@ -402,6 +462,8 @@ _B64URL = "A-Za-z0-9_=-"
 # characters after it (a body longer than the format's is a different string).
 _TOKEN_NOT_AFTER = byte_class("A-Za-z0-9_+/.-")
 _TOKEN_NOT_BEFORE = byte_class("A-Za-z0-9_+/-")
+# A run that must end with a letter or a digit (suffixes are ASCII case-insensitive).
+_ENDS_ALNUM = tuple(bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz0123456789")
 
 
 def _gate(body: str, lo: int) -> float:
@@ -624,21 +686,29 @@ _PROVIDER_SHAPES: tuple[Shape, ...] = (
     ),
     _tok("braintree", b"access_token$production$", "a-z0-9$", 40, 80),
     # Messaging, mail, collaboration
-    # xox[bpareos]-, then a number (a team id, or a version digit), then the rest.
-    Shape(
-        "slack",
-        (
-            lit(b"xox"),
-            cls("bpareos", 1, 1),
-            lit(b"-"),
-            cls("0-9", 1, 14),
-            lit(b"-"),
-            cls("A-Za-z0-9-", 20, 255),
-        ),
-        not_after=_BOUNDARY,
-        not_before=_TOKEN_NOT_BEFORE,
-        min_entropy=2.0,
-        placeholder_filter=True,
+    # xox[bpareos]-, then a number, then the rest. The number is a workspace id of 8-14 digits
+    # (`xoxb-263594206564-...`; `xoxp-1234-1234-...` is an illustration) followed by the other
+    # ids and the secret, which ends the token (`xoxp-<ids>-####` has none); or a version digit
+    # (`xoxe-1-`, `xoxe.xoxp-1-`, `xoxa-2-`) followed by at least 40 characters (the config
+    # tokens have 146-166, a legacy workspace token 40 or more; `xoxp-1-` and a few words is a
+    # stand-in).
+    *(
+        Shape(
+            "slack",
+            (
+                lit(b"xox"),
+                cls("bpareos", 1, 1),
+                lit(b"-"),
+                cls("0-9", lo, hi),
+                lit(b"-"),
+                cls("A-Za-z0-9-", rest, 255, suffixes=_ENDS_ALNUM),
+            ),
+            not_after=_BOUNDARY,
+            not_before=_TOKEN_NOT_BEFORE,
+            min_entropy=2.0,
+            placeholder_filter=True,
+        )
+        for lo, hi, rest in ((8, 14, 20), (1, 1, 40))
     ),
     _tok("slack", b"xapp-", "A-Za-z0-9-", 20, 255),
     Shape(
@@ -702,6 +772,7 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
             lit(b"-----"),
         ),
         optional_from=4,
+        check=Check.PEM_KEY,
     ),
     *_PROVIDER_SHAPES,
     # JWT: header.payload.signature, both JSON parts base64url of '{"' (eyJ).

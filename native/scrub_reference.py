@@ -19,10 +19,11 @@ Theory of operation
      possessively (no backtracking), only where the byte before is not in `not_after` (the end
      of the text waits for the byte after a match when `not_before` is set); its span
      is the redacted part of the match. A complete match that the byte after it (`not_before`)
-     or its body's validators (`Shape.body_ok`: checksum, entropy, placeholder) reject redacts
-     nothing, but the shape goes on after it, as after a match (gitleaks filters its regex's
-     non-overlapping matches the same way): were it tried again at each byte inside, a text of
-     prefixes in one long run would cost the shape's length per byte. The validators read only
+     or its body's validators (`Shape.body_ok`: checksum, entropy, placeholder; and
+     `PUBLISHED_EXAMPLES` for the token placeholder filter) reject redacts nothing, but the
+     shape goes on after it, as after a match (gitleaks filters its regex's non-overlapping
+     matches the same way): were it tried again at each byte inside, a text of prefixes in one
+     long run would cost the shape's length per byte. The validators read only
      the match, so this does not depend on chunking either.
 3. Spans are sorted by (start, priority, longest first) and merged while they overlap (touching
    spans stay apart). Each merged group becomes `[REDACTED:<name of its first span>]` (so a
@@ -44,10 +45,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from native.scrub_patterns import (
+    PUBLISHED_EXAMPLES,
     WINDOW,
     ZERO_WIDTH,
     ZW_RUN_MAX,
     Patterns,
+    Placeholder,
     Segment,
     SegmentKind,
     Shape,
@@ -267,7 +270,10 @@ def match_shape(shape: Shape, s: bytes, p: int, eof: bool) -> ShapeMatch | int:
         # The body: the redacted segments, less the opening literal (a prefix is not random).
         first = max(shape.redact_from, 1)
         b0 = bounds[first][0] if first <= last else r1
-        rejected = not shape.body_ok(s[b0:r1])
+        rejected = not shape.body_ok(s[b0:r1]) or (
+            # what it would redact is a credential its publisher gives out as an example
+            shape.placeholder_filter is Placeholder.TOKEN and s[r0:r1] in PUBLISHED_EXAMPLES
+        )
     if rejected:
         # Redacts nothing, but like a match it is not overlapped by the shape's next one: each
         # byte inside it would otherwise start another scan of up to the shape's length.

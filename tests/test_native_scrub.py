@@ -170,8 +170,15 @@ def test_planted_forms_are_redacted(simd: bool) -> None:
 @BOTH
 def test_shapes_and_key_names(simd: bool) -> None:
     tables = harness.engines((), simd)[2]
-    pem = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----"
+    pem = (
+        b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow"
+        + b"Zx9Qw3Rt7Yp2" * 4
+        + b"\n-----END RSA PRIVATE KEY-----"
+    )
     assert tables.scrub(b"a " + pem + b" b") == b"a [REDACTED:private-key] b"
+    # A block with no room for a key in it is an example (43 base64 characters at least).
+    example = pem.replace(b"Zx9Qw3Rt7Yp2" * 4, b"")
+    assert tables.scrub(example) == example
     assert tables.scrub(b'{"Api_Key": "abc\\"d"}') == b'{"Api_Key": "[REDACTED:Api_Key]"}'
     assert tables.scrub(b"DB_PASSWORD='x y'") == b"DB_PASSWORD='[REDACTED:PASSWORD] y'"
     assert tables.scrub(b"task-" + b"a" * 30) == b"task-" + b"a" * 30

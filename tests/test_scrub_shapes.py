@@ -12,12 +12,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 import re
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,8 @@ from native.scrub import Scrubber
 from native.scrub_patterns import (
     BASE62,
     DEFAULT_SHAPES,
+    PEM_MIN_BASE64,
+    PUBLISHED_EXAMPLES,
     Check,
     Placeholder,
     Shape,
@@ -103,9 +107,10 @@ def test_corpus_negatives_are_left_alone() -> None:
     # Placeholders an agent writes into code, hashes, ids and identifiers: none at all.
     for kind in ("placeholder", "uuid", "sha1", "sha256", "base64", "identifier"):
         assert bad[kind] == 0, f"{kind}: {table}\n{touched}"
-    # gitleaks' must-not-detect examples: what is left is 15 Google API keys published as
-    # Firebase examples (real keys by every format rule), fake Slack/PEM blocks and one JWT.
-    assert bad["gitleaks-fp"] <= 0.07 * per["gitleaks-fp"], f"{table}\n{touched}"
+    # gitleaks' must-not-detect examples: what is left (3 of 380) is two `..._TOKEN=<value>`
+    # assignments (a value of the right form after a secret's name) and a JWT after `Basic`.
+    assert bad["gitleaks-fp"] <= 0.01 * per["gitleaks-fp"], f"{table}\n{touched}"
+    assert sum(bad.values()) <= 0.002 * len(rows), f"{table}\n{touched}"
 
 
 @needs_native
@@ -221,15 +226,22 @@ PIECES = (
     b"\n",
     b"\xe2\x80\x8b",
     b"KEY=",
+    b"-----",
+    b"-----END ",
+    b"MC4CAQAwBQYDK2VwBCIEI",
+    b"AIzaSyAnLA7NfeLquW1tJFpx_eQCxoX-oo6YyIs",
 )
 
 
 @st.composite
 def validated_shapes(draw: st.DrawFn) -> Shape:
-    spec = draw(st.sampled_from(["A-Za-z0-9", "A-Za-z0-9_$<>{}-", "a-f0-9", "^ \n"]))
+    spec = draw(
+        st.sampled_from(["A-Za-z0-9", "A-Za-z0-9_$<>{}-", "a-f0-9", "^ \n", "A-Za-z0-9+/_ -"])
+    )
     lo = draw(st.integers(0, 8))
     hi = draw(st.integers(max(lo, 1), 48))
-    segs = [lit(draw(st.sampled_from([b"tok_", b"KEY="]))), cls(spec, lo, hi)]
+    opener = draw(st.sampled_from([b"tok_", b"KEY=", b"AIza"]))
+    segs = [lit(opener), cls(spec, lo, hi)]
     if draw(st.booleans()):
         segs += [lit(b"-"), cls("A-Za-z0-9", 1, 8)]
     return Shape(
@@ -239,7 +251,7 @@ def validated_shapes(draw: st.DrawFn) -> Shape:
         optional_from=draw(st.sampled_from([-1, 2])) if len(segs) > 2 else -1,
         not_after=draw(st.sampled_from([frozenset(), byte_class("A-Za-z0-9_-")])),
         not_before=draw(st.sampled_from([frozenset(), byte_class("A-Za-z0-9_+/-")])),
-        check=draw(st.sampled_from([Check.NONE, Check.CRC32_BASE62])),
+        check=draw(st.sampled_from(list(Check))),
         min_entropy=draw(st.sampled_from([0.0, 1.0, 2.5, 8.0])),
         placeholder_filter=draw(st.sampled_from(list(Placeholder))),
     )
@@ -346,3 +358,103 @@ def test_gcp_service_account_key_file() -> None:
     out = SCRUBBER.scrub(json.dumps(key_file, indent=2).encode())
     assert b"MIIEvQ" not in out and b'"private_key": "[REDACTED:' in out
     assert json.loads(out)["client_email"] == key_file["client_email"]  # still valid JSON
+
+
+# -- published examples, example PEM blocks, Slack stand-ins --------------------------------------
+
+FIREBASE_EXAMPLE = b"AIzaSyAnLA7NfeLquW1tJFpx_eQCxoX-oo6YyIs"
+
+
+def _both_engines(patterns_secrets: list[tuple[str, bytes]], text: bytes) -> bytes:
+    """The one-shot output, checked equal in both engines, streamed byte by byte and cut at
+    every position in two."""
+    patterns = compile_patterns(patterns_secrets, DEFAULT_SHAPES)
+    reference = Tables(patterns)
+    want = scrub_whole(reference, text)
+    engines: list[Callable[[], ReferenceStream | scrub_native.NativeStream]] = [
+        lambda: ReferenceStream(reference)
+    ]
+    if scrub_native.AVAILABLE:
+        native = scrub_native.NativeTables(patterns)
+        assert native.scrub(text) == want
+        engines.append(native.stream)
+    for make in engines:
+        stream = make()
+        out = b"".join(stream.feed(text[i : i + 1]) for i in range(len(text))) + stream.flush()
+        assert out == want
+        for cut in range(0, len(text) + 1, 7):
+            stream = make()
+            assert stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.flush() == want
+    return want
+
+
+def test_published_examples_are_left_alone_but_a_held_one_is_redacted() -> None:
+    for value in PUBLISHED_EXAMPLES:
+        text = b'firebase.initializeApp({apiKey: "' + value + b'"})'
+        assert _both_engines([], text) == text
+        # Held by the appliance: a known value, redacted whatever it is, in every form.
+        held = _both_engines([("firebase", value)], text)
+        assert value not in held and b"[REDACTED:firebase]" in held
+    # A key one character away from an example is an ordinary key.
+    other = FIREBASE_EXAMPLE[:-1] + b"t"
+    assert _both_engines([], other) == b"[REDACTED:google]"
+    # ... and an example glued into a longer run is not the example.
+    assert _both_engines([], FIREBASE_EXAMPLE + b"x") == FIREBASE_EXAMPLE + b"x"
+
+
+def _ed25519_pem(seed: int, *, width: int = 64) -> bytes:
+    # PKCS#8 for Ed25519: a fixed 16-byte header and the 32-byte seed; 64 base64 characters,
+    # the smallest private key block there is.
+    der = bytes.fromhex("302e020100300506032b657004220420") + random.Random(seed).randbytes(32)
+    body = base64.b64encode(der)
+    lines = b"\n".join(body[i : i + width] for i in range(0, len(body), width))
+    return b"-----BEGIN PRIVATE KEY-----\n" + lines + b"\n-----END PRIVATE KEY-----\n"
+
+
+def test_pem_blocks_need_a_body_that_can_be_a_key() -> None:
+    assert PEM_MIN_BASE64 == 43  # 32 bytes of key in base64
+    for text in (
+        b"-----BEGIN PRIVATE KEY-----\nanything\n-----END PRIVATE KEY-----",
+        b"-----BEGIN OPENSSH PRIVATE KEY----------END OPENSSH PRIVATE KEY-----",
+        b"-----BEGIN RSA PRIVATE KEY-----\n...\n-----END RSA PRIVATE KEY-----\n",
+        b'"-----BEGIN EC PRIVATE KEY-----\\nMHcCAQEE...\\n-----END EC PRIVATE KEY-----\\n"',
+        b"-----BEGIN PRIVATE KEY-----\n" + b"A" * 42 + b"\n-----END PRIVATE KEY-----",
+    ):
+        assert _both_engines([], text) == text, text
+    assert _both_engines(
+        [], b"-----BEGIN PRIVATE KEY-----\n" + b"A" * 43 + b"\n-----END PRIVATE KEY-----"
+    ) == (b"[REDACTED:private-key]")
+    for seed in range(5):
+        key = _ed25519_pem(seed)
+        for text in (key, b"key = '''" + key + b"'''\n", json.dumps(key.decode()).encode()):
+            out = _both_engines([], text)
+            assert b"MC4CAQAwBQYDK2VwBCIEI" not in out and b"[REDACTED:private-key]" in out
+        # Cut before its END line (the stream ends inside it): what is there is redacted, even
+        # a few characters of it.
+        for cut in (30, 40, 60, len(key) - 20):
+            out = _both_engines([], key[:cut])
+            assert out == b"[REDACTED:private-key]", (cut, out)
+
+
+def test_slack_stand_ins_are_left_alone() -> None:
+    for text in (
+        b'"token3": "xoxp-1234-1234-1234-4ddbc191d40ee098cbaae6f3523ada2d"',
+        b'"token4": "xoxp-572370529330-573807301142-572331691188-####################"',
+        b"xoxe.xoxp-1-SlackAppConfigurationAccessTokenHere",
+    ):
+        assert _both_engines([], text) == text, text
+    rng = random.Random(5)
+
+    def alnum(n: int) -> bytes:
+        return bytes(rng.choice(BASE62) for _ in range(n))
+
+    for token in (
+        b"xoxb-50014434-" + alnum(24),  # a legacy bot token, 8-digit workspace id
+        b"xoxp-41684372915-1320496754-45609968301-" + alnum(32),
+        b"xoxs-3206092076-3204538285-3743137121-836b042620",
+        b"xoxe-1-" + alnum(146),
+        b"xoxe.xoxb-1-" + alnum(165),
+        b"xoxa-2-" + alnum(40),
+    ):
+        out = _both_engines([], b'"' + token + b'"')
+        assert out.count(b"[REDACTED:slack]") == 1 and token[-12:] not in out, token

@@ -223,6 +223,7 @@ typedef struct {
 #define PH_VALUE 2
 #define CHECK_NONE 0
 #define CHECK_CRC32_BASE62 1 /* scrub_patterns.Check */
+#define CHECK_PEM_KEY 2
 
 typedef struct {
     uint64_t key;
@@ -1066,7 +1067,7 @@ int scrub_tables_new(const char *blob, size_t blob_len, const int32_t *names, si
             s->not_after = t->blob + r[7];
         }
         /* 2**8 in 16.16 is the most (8 bits per byte); the integers of entropy_ok fit 64 bits */
-        if (r[8] < CHECK_NONE || r[8] > CHECK_CRC32_BASE62 || r[9] < 0 || r[9] > (1 << 24) ||
+        if (r[8] < CHECK_NONE || r[8] > CHECK_PEM_KEY || r[9] < 0 || r[9] > (1 << 24) ||
             r[10] < PH_NONE || r[10] > PH_VALUE)
             goto fail;
         s->check = (uint8_t)r[8];
@@ -1692,8 +1693,64 @@ static int base62_digit(uint8_t c) {
     return -1;
 }
 
+#define PEM_MIN_BASE64 43 /* scrub_patterns.PEM_MIN_BASE64: the base64 of a 32-byte key */
+
+static const uint8_t *find_bytes(const uint8_t *b, size_t n, const char *what, size_t wl) {
+    for (size_t i = 0; i + wl <= n; i++)
+        if (b[i] == (uint8_t)what[0] && memcmp(b + i, what, wl) == 0) return b + i;
+    return NULL;
+}
+
+/* scrub_patterns.pem_key_ok: a block cut short, or one whose text between its BEGIN and END
+ * lines holds PEM_MIN_BASE64 base64 characters */
+static int pem_key_ok(const uint8_t *b, size_t n) {
+    const uint8_t *start = find_bytes(b, n, "-----", 5); /* the label has no '-' */
+    if (!start) return 1;
+    start += 5;
+    const uint8_t *end = find_bytes(start, (size_t)(b + n - start), "-----END ", 9);
+    if (!end) return 1;
+    size_t count = 0;
+    for (const uint8_t *q = start; q < end; q++) {
+        uint8_t c = *q;
+        count += (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+                 c == '+' || c == '/';
+    }
+    return count >= PEM_MIN_BASE64;
+}
+
+/* scrub_patterns.PUBLISHED_EXAMPLES: credentials their publisher gives out as examples, the
+ * exact text a shape with the token placeholder filter would redact; never redacted by a shape
+ * (a held credential is a literal and is redacted whatever its value). */
+static const char *const PUBLISHED_EXAMPLES[] = {
+    /* Google API keys published in Firebase's SDK sources and tests */
+    "AIzaSyabcdefghijklmnopqrstuvwxyz1234567",
+    "AIzaSyAnLA7NfeLquW1tJFpx_eQCxoX-oo6YyIs",
+    "AIzaSyCkEhVjf3pduRDt6d1yKOMitrUEke8agEM",
+    "AIzaSyDMAScliyLx7F0NPDEJi1QmyCgHIAODrlU",
+    "AIzaSyD3asb-2pEZVqMkmL6M9N6nHZRR_znhrh0",
+    "AIzayDNSXIbFmlXbIE6mCzDLQAqITYefhixbX4A",
+    "AIzaSyAdOS2zB6NCsk1pCdZ4-P6GBdi_UUPwX7c",
+    "AIzaSyASWm6HmTMdYWpgMnjRBjxcQ9CKctWmLd4",
+    "AIzaSyANUvH9H9BsUccjsu2pCmEkOPjjaXeDQgY",
+    "AIzaSyA5_iVawFQ8ABuTZNUdcwERLJv_a_p4wtM",
+    "AIzaSyA4UrcGxgwQFTfaI3no3t7Lt1sjmdnP5sQ",
+    "AIzaSyDSb51JiIcB6OJpwwMicseKRhhrOq1cS7g",
+    "AIzaSyBF2RrAIm4a0mO64EShQfqfd2AFnzAvvuU",
+    "AIzaSyBcE-OOIbhjyR83gm4r2MFCu4MJmprNXsw",
+    "AIzaSyB8qGxt4ec15vitgn44duC5ucxaOi4FmqE",
+    "AIzaSyA8vmApnrHNFE0bApF4hoZ11srVL_n0nvY",
+};
+
+static int published_example(const uint8_t *b, size_t n) {
+    for (size_t e = 0; e < sizeof(PUBLISHED_EXAMPLES) / sizeof(PUBLISHED_EXAMPLES[0]); e++)
+        if (strlen(PUBLISHED_EXAMPLES[e]) == n && memcmp(b, PUBLISHED_EXAMPLES[e], n) == 0)
+            return 1;
+    return 0;
+}
+
 /* scrub_patterns.checksum_ok */
 static int checksum_ok(uint8_t check, const uint8_t *b, size_t n) {
+    if (check == CHECK_PEM_KEY) return pem_key_ok(b, n);
     if (check != CHECK_CRC32_BASE62) return 1;
     if (n <= 6) return 0;
     uint64_t v = 0;
@@ -1774,7 +1831,9 @@ static void try_shape(scan_t *c, size_t k, size_t p) {
         /* the body: the redacted segments less the opening literal */
         int64_t first = sh->redact_from > 1 ? sh->redact_from : 1;
         int64_t b0 = first <= last ? bounds[2 * first] : r1;
-        rejected = !body_ok(sh, c->S + b0, (size_t)(r1 - b0));
+        rejected = !body_ok(sh, c->S + b0, (size_t)(r1 - b0)) ||
+                   (sh->placeholder == PH_TOKEN &&
+                    published_example(c->S + r0, (size_t)(r1 - r0)));
     }
     if (rejected) {
         /* redacts nothing, but the shape goes on after it as after a match (the reference's
