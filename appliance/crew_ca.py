@@ -228,12 +228,20 @@ class LeafCache:
     def __len__(self) -> int:
         return len(self._leaves)
 
-    def get(self, host: str, *, now: datetime.datetime | None = None) -> Leaf:
+    def get(
+        self,
+        host: str,
+        *,
+        now: datetime.datetime | None = None,
+        early: datetime.timedelta = datetime.timedelta(0),
+    ) -> Leaf:
+        """`early`: mint again that long before the half-life already (a renewal that runs
+        periodically passes its period, so a leaf is renewed before its half, not after)."""
         now = now or datetime.datetime.now(datetime.UTC)
         leaf = self._leaves.get(host)
         if leaf is not None:
             half = leaf.not_before + (leaf.not_after - leaf.not_before) / 2
-            if now < half:
+            if now + early < half:
                 self._leaves.move_to_end(host)
                 return leaf
         leaf = self.ca.mint(host, now=now)

@@ -41,6 +41,21 @@ class TamperedRecord(CredStoreError):
         )
 
 
+class TamperedCrewCA(CredStoreError):
+    """A crew CA's record does not authenticate (altered, moved to another crew, paired with
+    another certificate, or written with another key)."""
+
+    status = 500
+    code = "credential_tampered"
+
+    def __init__(self, crew: str) -> None:
+        self.crew = crew
+        super().__init__(
+            f"the CA of crew {crew!r} does not authenticate: its record was altered or written "
+            "with another key; recreate the crew to give it a new CA"
+        )
+
+
 class TamperedGrant(CredStoreError):
     """A grant row that would let a crew use a credential does not verify (forged, edited,
     copied from another credential, replayed from before a revocation, or unsealed): refused."""

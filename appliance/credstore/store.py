@@ -55,6 +55,15 @@ could write it, which is exactly the attack sealing closes (docs/credentials.md,
 The check record is then rewritten under the v2 associated data, so a store is upgraded once; an
 unsealed credential row in a v2 store is tampering, not history.
 
+Crew CAs (`crew_cas` table): each crew's CA key (appliance/crew_ca.py), sealed with AES-256-GCM
+under the same store key, associated data `b"agent-appliance/credstore/v2/crew-ca\0"` + JSON
+[crew, SHA-256 of the CA certificate PEM]; the certificate itself is public and kept in clear next
+to it. A table of its own, not a credential kind: a credential can be listed, granted to a crew,
+read by the keeper (`value_for`) and sent to the proxy (`proxy_credentials`), and a CA key must be
+none of these; nothing that reads `credentials` can reach this table. The associated data ties a
+key to its crew and its certificate: a row copied to another crew, or paired with another
+certificate, does not authenticate (`TamperedCrewCA`).
+
 Revocation: `revoke(name, crew)` removes that crew's grants; `revoke(name)` removes all of them
 and marks the credential revoked (it cannot be granted again until it is rotated).
 """
@@ -83,6 +92,7 @@ from .errors import (
     CredentialExists,
     CredentialNotFound,
     InvalidCredential,
+    TamperedCrewCA,
     TamperedGrant,
     TamperedRecord,
     WrongKey,
@@ -97,6 +107,7 @@ CHECK_AD = b"agent-appliance/credstore/v2/key-check\0"
 SEAL_KEY_INFO = b"agent-appliance/credstore/v2/seal"
 SEAL_PREFIX = b"agent-appliance/credstore/v2/seal\0"
 EPOCH_BYTES = 16
+CREW_CA_AD = b"agent-appliance/credstore/v2/crew-ca\0"
 # Why a grant row is refused (RefusedGrant.reason, TamperedGrant).
 UNSEALED = "unsealed"
 NOT_AUTHENTIC = "does not authenticate"
@@ -140,6 +151,13 @@ CREATE TABLE IF NOT EXISTS grants (
     granted REAL NOT NULL,
     seal BLOB,
     PRIMARY KEY (name, crew, agent)
+);
+CREATE TABLE IF NOT EXISTS crew_cas (
+    crew TEXT PRIMARY KEY,
+    cert_pem BLOB NOT NULL,
+    nonce BLOB NOT NULL,
+    ciphertext BLOB NOT NULL,
+    created REAL NOT NULL
 );
 """
 
@@ -739,6 +757,44 @@ class CredentialStore:
                 return row.name
         return None
 
+    # -- crew CAs (see the theory of operation) ------------------------------------------------
+
+    def put_crew_ca(self, crew: str, cert_pem: bytes, key_pem: SecretValue) -> None:
+        """Keep `crew`'s CA (replacing any it had: a rotation)."""
+        nonce = os.urandom(NONCE_BYTES)
+        sealed = self._aead.encrypt(nonce, key_pem.reveal(), _crew_ca_ad(crew, cert_pem))
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO crew_cas (crew, cert_pem, nonce, ciphertext, created) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (crew, cert_pem, nonce, sealed, time.time()),
+            )
+
+    def crew_ca(self, crew: str) -> tuple[bytes, SecretValue] | None:
+        """(certificate PEM, key PEM) of `crew`'s CA, None if it has none; TamperedCrewCA if
+        its row does not authenticate (never a key that might not be the one we sealed)."""
+        row = self._db.execute(
+            "SELECT cert_pem, nonce, ciphertext FROM crew_cas WHERE crew = ?", (crew,)
+        ).fetchone()
+        if row is None:
+            return None
+        cert_pem, nonce, sealed = row
+        try:
+            if not isinstance(cert_pem, bytes) or len(nonce) != NONCE_BYTES:
+                raise ValueError("row types")
+            key_pem = self._aead.decrypt(nonce, sealed, _crew_ca_ad(crew, cert_pem))
+        except (InvalidTag, ValueError, TypeError):
+            raise TamperedCrewCA(crew) from None
+        return cert_pem, SecretValue(key_pem)
+
+    def crew_ca_names(self) -> tuple[str, ...]:
+        return tuple(str(r[0]) for r in self._db.execute("SELECT crew FROM crew_cas ORDER BY crew"))
+
+    def delete_crew_ca(self, crew: str) -> None:
+        """Idempotent."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM crew_cas WHERE crew = ?", (crew,))
+
     def revoke(
         self, name: str, crew: str | None = None, agent: str | None = None
     ) -> CredentialInfo:
@@ -776,6 +832,10 @@ class CredentialStore:
                 # Marked, not sealed: the row stays refused (sealing it would bless the edit).
                 db.execute("UPDATE credentials SET revoked = ? WHERE name = ?", (revoked, name))
         return self.info(name)
+
+
+def _crew_ca_ad(crew: str, cert_pem: bytes) -> bytes:
+    return CREW_CA_AD + msgspec.json.encode([crew, hashlib.sha256(cert_pem).hexdigest()])
 
 
 def _level(level: Level | str) -> Level:

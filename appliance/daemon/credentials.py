@@ -256,6 +256,16 @@ class CredentialsApi:
             await self.push(info, done, recorder, crew=crew, agent=agent)
         except CredStoreError as exc:
             raise CredentialError(exc) from None
+        if self.proxy.leaves_source is not None:
+            # A grant or revoke can add or remove a provider host from a crew's terminated
+            # hosts (appliance/daemon/crew_tls.py): the sets that changed are sent. Their
+            # failure is logged, not the command's: the credentials are in effect, and a
+            # restarted worker is sent the current sets anyway.
+            try:
+                await self.proxy.push_leaves()
+            except Unavailable as exc:
+                log.error("credential %s %s: re-sending the crews' leaves: %s", info.name, done,
+                          exc)  # fmt: skip
         return info_message(info)
 
     @staticmethod

@@ -10,8 +10,12 @@ reverse and the error names the step:
     record intent     state row, phase "creating"            undo: delete the row
     create infra      provider.create_infra -> Pod            undo: provider.remove_crew
     attach network    netns: rules, then veth, addresses      undo: networks.release
-    add to proxy      bind gateway:port, proxy crew_add       undo: proxy crew_remove, close
-    start agent       provider.start_agent (proxy env only)   (undone by provider.remove_crew)
+    crew CA           the crew's CA (made if it has none) and undo: forget a CA made here
+                      its trust files (crew_tls.py)
+    add to proxy      bind gateway:port, proxy crew_add and   undo: proxy crew_remove, close
+                      crew_leaves
+    start agent       provider.start_agent (proxy env, the    (undone by provider.remove_crew)
+                      crew's trust)
     commit            phase "ready"
 
 The agent starts last: its network rules and its proxy exist before any agent process does.
@@ -85,6 +89,7 @@ from proxycore.protocol.ssrf import AddressGuard
 
 from . import messages
 from .config import ApplianceConfig
+from .crew_tls import CrewTLS
 from .errors import CrewBusy, CrewExists, CrewNotFound, DaemonError, InvalidRequest, StepFailed
 from .proxy import CrewEntry, ProxyPool
 from .state import CrewPhase, CrewRow, PoolSlot, SlotPhase, StateStore
@@ -190,8 +195,11 @@ class CrewManager:
         images: tuple[str, str],
         *,
         on_step: StepHook | None = None,
+        tls: CrewTLS | None = None,
     ) -> None:
         self.config = config
+        # The crews' CAs (None: crews get none, their tunnels stay opaque; unit tests).
+        self.tls = tls
         self.provider = provider
         self.networks = networks
         self.store = store
@@ -213,7 +221,12 @@ class CrewManager:
             self._runtimes = tuple(await trio.to_thread.run_sync(self.provider.runtimes))
         return self._runtimes
 
-    def _spec(self, row: CrewRow, env: dict[str, str] | None = None) -> CrewSpec:
+    def _spec(
+        self,
+        row: CrewRow,
+        env: dict[str, str] | None = None,
+        mounts: tuple[tuple[str, str, bool], ...] = (),
+    ) -> CrewSpec:
         return CrewSpec(
             name=row.name,
             image=self.agent_image,
@@ -222,6 +235,7 @@ class CrewManager:
             memory_bytes=row.memory_bytes,
             cpus=row.cpus,
             env=env or {},
+            mounts=mounts,
         )
 
     def _row(self, name: str) -> CrewRow:
@@ -403,6 +417,26 @@ class CrewManager:
                 await trio.to_thread.run_sync(self.networks.release, key)
 
             gateway = await steps.run("attach network", attach, release)
+        env = agent_environment(self.config, name, gateway)
+        mounts: tuple[tuple[str, str, bool], ...] = ()
+        tls = self.tls
+        if tls is not None:
+            made = False
+
+            async def install_ca() -> None:
+                nonlocal made, env, mounts
+                trust, made = tls.ensure(name)
+                isolated = self.provider.isolated
+                env = {**env, **trust.environment(isolated=isolated)}
+                # Without isolation there is no container to mount into: the variables name
+                # the host's files (crew_tls.py).
+                mounts = trust.mounts() if isolated else ()
+
+            async def forget_ca() -> None:
+                if made:  # a crew re-created at start keeps the CA its row had
+                    tls.forget(name)
+
+            await steps.run("crew CA", install_ca, forget_ca)
         entry = CrewEntry(
             name=name,
             gateway=gateway,
@@ -419,7 +453,7 @@ class CrewManager:
             await self.proxy.remove_crew(name)
 
         await steps.run("add to proxy", add_to_proxy, remove_from_proxy)
-        agent_spec = self._spec(row, agent_environment(self.config, name, gateway))
+        agent_spec = self._spec(row, env, mounts)
         # The infra's label names the slot (labels are immutable); the pod is the crew's.
         agent_pod = msgspec.structs.replace(pod, crew=name, runtime=row.runtime)
 
@@ -481,6 +515,7 @@ class CrewManager:
             with trio.CancelScope(shield=True):
                 await self._tear_down(row, keep_subnet=False)
                 self.store.delete(name)
+                self._forget_ca(name)
                 await self.journal.record(CrewRemoved(crew=name))
 
     async def allow(self, name: str, host: str) -> bool:
@@ -500,6 +535,10 @@ class CrewManager:
             changed = await self.proxy.allow(name, normalized)
             await self.journal.allowlist_changed(name, normalized, changed)
             return changed
+
+    def _forget_ca(self, name: str) -> None:
+        if self.tls is not None:
+            self.tls.forget(name)
 
     # -- run --------------------------------------------------------------------------------
 
@@ -611,6 +650,10 @@ class CrewManager:
                 if record.crew not in known:
                     await trio.to_thread.run_sync(self.networks.release, record.crew)
                     changes.append(f"{record.crew}: released network with no crew row")
+            for crew in self.tls.known() if self.tls is not None else ():
+                if crew not in rows:  # a crash between a row's delete and its CA's
+                    self._forget_ca(crew)
+                    changes.append(f"{crew}: removed a crew CA with no crew row")
 
             for slot in slots.values():
                 try:
@@ -650,6 +693,7 @@ class CrewManager:
         if row.phase in (CrewPhase.CREATING, CrewPhase.REMOVING):
             await self._tear_down(row, keep_subnet=False)
             self.store.delete(name)
+            self._forget_ca(name)
             what = (
                 "rolled back an interrupted create"
                 if row.phase is CrewPhase.CREATING

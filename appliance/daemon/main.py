@@ -57,6 +57,7 @@ from . import messages
 from .admin_server import AdminServer
 from .config import ApplianceConfig, config_file, load_config, metrics_address
 from .credentials import CredentialsApi
+from .crew_tls import CrewTLS
 from .crews import CrewManager, StepHook, kill_hook_from_env
 from .errors import ConfigInvalid, DaemonError, Unavailable
 from .images import build_images_step, resolve_images_notifying
@@ -274,6 +275,9 @@ class Daemon:
             self.credentials_api.scrubbed += [journal, self.proxy]
             # (on this thread: the store's SQLite connection belongs to it; a few ms)
             self.credentials_api.refresh_scrubbers()
+            # The crews' CAs (keys in the credential store) and the leaves the workers get.
+            crew_tls = CrewTLS(credentials, self.state_dir, self.proxy.config)
+            self.proxy.leaves_source = crew_tls.source
             images = await resolve_images_notifying(self.config, self.notifier)
             self.crews = CrewManager(
                 self.config,
@@ -283,6 +287,7 @@ class Daemon:
                 self.proxy,
                 images,
                 on_step=self.on_step,
+                tls=crew_tls,
             )
             self.crews.journal = recorder
             keeper = KeeperChannel(
@@ -314,6 +319,7 @@ class Daemon:
                 await nursery.start(self.proxy.run)
                 self.notifier.status("starting: reconciling the crews with the state")
                 self.reconcile_changes = tuple(await self.crews.reconcile())
+                nursery.start_soon(crew_tls.keep_renewed, self.proxy)
                 # Filled in the background: a create before a slot is ready builds its own.
                 pool_scope = trio.CancelScope()
 

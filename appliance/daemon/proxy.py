@@ -36,6 +36,7 @@ starts fresh ones.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import random
@@ -81,6 +82,9 @@ EventsReader = Callable[[trio.SocketStream, int], Awaitable[None]]
 DEFAULT_RESTART_POLICY = RestartPolicy()
 # Told of every exit of a worker (applianced journals it); must not block.
 ExitHook = Callable[[WorkerExit], None]
+# A crew's whole set of leaves (appliance/daemon/crew_tls.py), minting what is missing or due
+# within the timedelta; None: the crew has no CA (its tunnels stay opaque).
+LeavesSource = Callable[["CrewEntry", datetime.timedelta], control.CrewLeaves | None]
 
 
 class CrewEntry(msgspec.Struct, frozen=True):
@@ -205,6 +209,10 @@ class ProxyPool:
         # Where applianced's keeper listens, and its token (appliance/keeper/channel.py):
         # sent at every (re)start, so a restarted worker forwards keeper calls again.
         self.keeper_channel: control.KeeperChannelSet | None = None
+        # The crews' leaves, minted by applianced (crew_tls.py): sent after every crew_add,
+        # to every worker and to a restarted one; `leaves_sent` is what every worker holds.
+        self.leaves_source: LeavesSource | None = None
+        self.leaves_sent: dict[str, tuple[tuple[str, str], ...]] = {}
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -394,6 +402,16 @@ class ProxyPool:
             reply = await client.request(_crew_add(entry), listener=self.listeners[entry.name])
             if not reply.ok:
                 log.error("proxy refused crew %s on restore: %s", entry.name, reply.error)
+                continue
+            # The set the other workers hold (minted again only if it is gone from the cache).
+            leaves = self._leaves(entry)
+            if leaves is not None:
+                reply = await client.request(leaves)
+                if not reply.ok:
+                    # Its ruled hosts are refused and its provider tunnels stay opaque then:
+                    # nothing is let through that the rules would hold.
+                    log.error("proxy refused crew %s's leaves on restore: %s", entry.name,
+                              reply.error)  # fmt: skip
         if self.credentials_source is not None:
             reply = await client.request(control.CredentialsSet(crews=self.credentials_source()))
             if not reply.ok:
@@ -476,6 +494,12 @@ class ProxyPool:
                 self.listeners[entry.name] = listener
                 self.crews[entry.name] = entry
                 reply = await self._broadcast(_crew_add(entry), listener)
+                if reply.ok:
+                    leaves = self._leaves(entry, strict=True)
+                    if leaves is not None:
+                        reply = await self._broadcast(leaves)
+                        if reply.ok:
+                            self.leaves_sent[entry.name] = _fingerprint(leaves)
             if not reply.ok:
                 raise Unavailable(f"the proxy refused crew {entry.name!r}: {reply.error}")
         except BaseException:
@@ -487,6 +511,7 @@ class ProxyPool:
         """Idempotent. The workers end the crew's connections; our copy of the socket closes."""
         async with self.lock:
             self.crews.pop(name, None)
+            self.leaves_sent.pop(name, None)
             listener = self.listeners.pop(name, None)
             try:
                 if any(w.client is not None for w in self.workers):
@@ -532,6 +557,48 @@ class ProxyPool:
             raise Unavailable(f"the proxy refused the credentials: {reply.error}")
         return tuple(killed)
 
+    def _leaves(
+        self,
+        entry: CrewEntry,
+        early: datetime.timedelta = datetime.timedelta(0),
+        *,
+        strict: bool = False,
+    ) -> control.CrewLeaves | None:
+        """The crew's leaves from the source; an error there (a CA that does not authenticate)
+        raised if `strict` (a create fails), else logged and the crew left without (a worker's
+        restore and the renewal must go on for the other crews)."""
+        if self.leaves_source is None:
+            return None
+        try:
+            return self.leaves_source(entry, early)
+        except Exception as exc:
+            if strict:
+                raise
+            log.error("crew %s: no leaves: %s", entry.name, exc)
+            return None
+
+    async def push_leaves(self, early: datetime.timedelta = datetime.timedelta(0)) -> int:
+        """Every crew's set, sent where it changed (renewed leaves, a grant that adds or removes
+        a provider host); how many crews were sent one. A refusal is logged, and that crew's
+        set sent again next time."""
+        sent = 0
+        async with self.lock:
+            for entry in list(self.crews.values()):
+                leaves = self._leaves(entry, early)
+                if leaves is None:
+                    continue
+                fingerprint = _fingerprint(leaves)
+                if self.leaves_sent.get(entry.name) == fingerprint:
+                    continue
+                self.leaves_sent.pop(entry.name, None)
+                reply = await self._broadcast(leaves)
+                if not reply.ok:
+                    log.error("proxy refused crew %s's leaves: %s", entry.name, reply.error)
+                    continue
+                self.leaves_sent[entry.name] = fingerprint
+                sent += 1
+        return sent
+
     async def ping(self) -> bool:
         try:
             return (await self._request(control.Ping())).ok
@@ -549,3 +616,7 @@ def _crew_add(entry: CrewEntry) -> control.CrewAdd:
         ssrf_allow=entry.ssrf_allow,
         rules=entry.rules,
     )
+
+
+def _fingerprint(leaves: control.CrewLeaves) -> tuple[tuple[str, str], ...]:
+    return tuple((leaf.host, leaf.cert_pem) for leaf in leaves.leaves)

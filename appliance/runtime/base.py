@@ -85,7 +85,8 @@ class CrewSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cpus: float = DEFAULT_CPUS
     net_raw: bool = False  # NET_RAW only when the operator asks for it for this crew
     env: dict[str, str] = {}  # proxy variables, provider base URLs; never a credential
-    # host paths the operator explicitly configured: (host path, container path, read_only)
+    # host paths the operator configured, and applianced's read-only trust files (the crew CA):
+    # (host path, container path, read_only)
     mounts: tuple[tuple[str, str, bool], ...] = ()
 
 

@@ -1,7 +1,8 @@
 """The check every host path goes through before it is mounted into a crew's container.
 
-Only host paths the operator listed in the crew's spec are ever mounted (the provider adds none
-of its own besides the crew's named volumes). Whatever the configuration says, a container
+Only host paths in the crew's spec are ever mounted: the operator's, and applianced's read-only
+trust files (appliance/daemon/crew_tls.py); the provider adds none of its own besides the crew's
+named volumes. Whatever the configuration says, a container
 engine's socket is refused, and so is any directory that holds one: write access to it is root on
 the host (`docker run -v /:/host --privileged ...`). The check resolves symbolic links first, so
 `/tmp/innocent -> /var/run/docker.sock` is refused too.
