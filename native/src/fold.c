@@ -384,12 +384,15 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
             uint32_t first = (uint32_t)__builtin_ctz(m);
             if (g->broken || g->gap_units + first > MAX_GAP || g->gap_bytes + first > GAP_BYTES)
                 flags[k0] = F_BREAK;
-            /* More than MAX_GAP bytes between two of the block's characters? (Bit p of z: the
-             * MAX_GAP + 1 bits from p are all clear.) Rare outside indentation. */
+            /* The block's other characters after more than MAX_GAP bytes that are not: bit p of
+             * run is set when the MAX_GAP + 1 bits from p are all clear in m, so a character at
+             * bit b follows such a gap when bit b - (MAX_GAP + 1) of run is. (Indentation.) */
+            _Static_assert(MAX_GAP == 8, "run: MAX_GAP + 1 clear bits");
             uint32_t z = ~m, z2 = z & (z >> 1), z4 = z2 & (z2 >> 2), z8 = z4 & (z4 >> 4);
-            if (z8 & (z >> 8) & ~((2u << first) - 1)) {
-                for (size_t j = k0 + 1; j < k; j++)
-                    if (rs[j] - rs[j - 1] - 1 > MAX_GAP) flags[j] = F_BREAK;
+            uint32_t run = z8 & (z >> 8);
+            for (uint32_t b = m & (run << (MAX_GAP + 1)) & (m - 1); b; b &= b - 1) {
+                uint32_t bit = (uint32_t)__builtin_ctz(b);
+                flags[k0 + (size_t)__builtin_popcount(m & ((1u << bit) - 1))] = F_BREAK;
             }
             uint32_t after = len - 1 - (31u - (uint32_t)__builtin_clz(m));
             g->gap_units = g->gap_bytes = after;
