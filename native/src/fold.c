@@ -3,11 +3,14 @@
  * the same bytes in the same order, so it asks for more input exactly when the reference does;
  * the view; the windows; the groups; the cut of a stream).
  *
- * Speed: a call decodes its bytes into the view first (plain ASCII takes one branch per byte;
- * only `%`, `&`, `\`, ESC and bytes >= 0x80 take the decoder), then looks for windows. Every
- * window of length L holds, at any S = L_min - G + 1 consecutive positions, the start of one
- * of its G-character grams (G = 8); so the view is probed only every S-th position, against a
- * blocked Bloom filter of every gram of every window, and only around a hit are the windows
+ * Speed: a call decodes its bytes into the view first (plain bytes, those that are one unit
+ * each, 32 at a time with AVX2 (plain_avx2) or one branch per byte; only `%`, `&`, `\`, ESC,
+ * `[` before `R` and bytes that may start a UTF-8 character take the decoder), then looks for
+ * windows. Every window of length L holds, at any S = L_min - G + 1 consecutive positions,
+ * the start of one of its G-character grams (G = 8); so the view is probed only every S-th
+ * position, against a
+ * blocked Bloom filter of every gram of every window (its cache lines fetched a batch of probes
+ * ahead: with hundreds of secrets it is larger than L2), and only around a hit are the windows
  * themselves (a 96-bit number, 6 bits per character) looked up, at each start the hit could
  * belong to. The result is exactly the reference's (every window occurrence is found, whatever
  * the phase of the sampling), at one filter probe per S folded characters. The cut of a
@@ -20,6 +23,11 @@
 
 #include "fold_table.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FOLD_AVX2 1 /* compiled for any x86-64; used when the CPU has AVX2 (fold_simd) */
+#endif
+
 /* The constants of native/scrub_fold.py (the wrapper checks they agree). */
 #define W 16
 #define MIN_SHORT 12
@@ -30,7 +38,13 @@
 #define ANSI_OSC_MAX 256
 #define PIECE (64 * 1024)
 #define MAX_NAME 64
-#define GRAM 8 /* the filter's gram length (48 bits) */
+#define GRAM 8 /* the filter's gram length (its 8 folded bytes, one 64-bit load) */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+#define PROBE_BATCH 16 /* gram filter probes whose cache lines are fetched ahead */
 #define HOLD_GRAM 6 /* scrub_fold.GRAM: a stream holds from a character that could begin a window */
 
 #define K_IGNORED (-1)
@@ -173,18 +187,9 @@ static int fold_cp(uint32_t cp) {
  * bytes >= 0x80: the decoder), or the folded character itself. */
 enum { A_IGNORED = 0, A_SLOW = 1, A_BRACKET = 2 }; /* `[`: the decoder only before `R` */
 static const uint8_t ASCII_CLASS[256] = {
-    /* bytes >= 0x80: UTF-8, the decoder */
-    [0x80] = A_SLOW, [0x81] = A_SLOW, [0x82] = A_SLOW, [0x83] = A_SLOW, [0x84] = A_SLOW, [0x85] = A_SLOW,
-    [0x86] = A_SLOW, [0x87] = A_SLOW, [0x88] = A_SLOW, [0x89] = A_SLOW, [0x8A] = A_SLOW, [0x8B] = A_SLOW,
-    [0x8C] = A_SLOW, [0x8D] = A_SLOW, [0x8E] = A_SLOW, [0x8F] = A_SLOW, [0x90] = A_SLOW, [0x91] = A_SLOW,
-    [0x92] = A_SLOW, [0x93] = A_SLOW, [0x94] = A_SLOW, [0x95] = A_SLOW, [0x96] = A_SLOW, [0x97] = A_SLOW,
-    [0x98] = A_SLOW, [0x99] = A_SLOW, [0x9A] = A_SLOW, [0x9B] = A_SLOW, [0x9C] = A_SLOW, [0x9D] = A_SLOW,
-    [0x9E] = A_SLOW, [0x9F] = A_SLOW, [0xA0] = A_SLOW, [0xA1] = A_SLOW, [0xA2] = A_SLOW, [0xA3] = A_SLOW,
-    [0xA4] = A_SLOW, [0xA5] = A_SLOW, [0xA6] = A_SLOW, [0xA7] = A_SLOW, [0xA8] = A_SLOW, [0xA9] = A_SLOW,
-    [0xAA] = A_SLOW, [0xAB] = A_SLOW, [0xAC] = A_SLOW, [0xAD] = A_SLOW, [0xAE] = A_SLOW, [0xAF] = A_SLOW,
-    [0xB0] = A_SLOW, [0xB1] = A_SLOW, [0xB2] = A_SLOW, [0xB3] = A_SLOW, [0xB4] = A_SLOW, [0xB5] = A_SLOW,
-    [0xB6] = A_SLOW, [0xB7] = A_SLOW, [0xB8] = A_SLOW, [0xB9] = A_SLOW, [0xBA] = A_SLOW, [0xBB] = A_SLOW,
-    [0xBC] = A_SLOW, [0xBD] = A_SLOW, [0xBE] = A_SLOW, [0xBF] = A_SLOW, [0xC0] = A_SLOW, [0xC1] = A_SLOW,
+    /* bytes that may start a UTF-8 character (0xC2-0xF4): the decoder. The other bytes >= 0x80
+     * (0x80-0xC1, 0xF5-0xFF) never do: each is one IGNORED byte, which utf8() decides
+     * without reading further, so they are plain like ASCII punctuation. */
     [0xC2] = A_SLOW, [0xC3] = A_SLOW, [0xC4] = A_SLOW, [0xC5] = A_SLOW, [0xC6] = A_SLOW, [0xC7] = A_SLOW,
     [0xC8] = A_SLOW, [0xC9] = A_SLOW, [0xCA] = A_SLOW, [0xCB] = A_SLOW, [0xCC] = A_SLOW, [0xCD] = A_SLOW,
     [0xCE] = A_SLOW, [0xCF] = A_SLOW, [0xD0] = A_SLOW, [0xD1] = A_SLOW, [0xD2] = A_SLOW, [0xD3] = A_SLOW,
@@ -193,9 +198,7 @@ static const uint8_t ASCII_CLASS[256] = {
     [0xE0] = A_SLOW, [0xE1] = A_SLOW, [0xE2] = A_SLOW, [0xE3] = A_SLOW, [0xE4] = A_SLOW, [0xE5] = A_SLOW,
     [0xE6] = A_SLOW, [0xE7] = A_SLOW, [0xE8] = A_SLOW, [0xE9] = A_SLOW, [0xEA] = A_SLOW, [0xEB] = A_SLOW,
     [0xEC] = A_SLOW, [0xED] = A_SLOW, [0xEE] = A_SLOW, [0xEF] = A_SLOW, [0xF0] = A_SLOW, [0xF1] = A_SLOW,
-    [0xF2] = A_SLOW, [0xF3] = A_SLOW, [0xF4] = A_SLOW, [0xF5] = A_SLOW, [0xF6] = A_SLOW, [0xF7] = A_SLOW,
-    [0xF8] = A_SLOW, [0xF9] = A_SLOW, [0xFA] = A_SLOW, [0xFB] = A_SLOW, [0xFC] = A_SLOW, [0xFD] = A_SLOW,
-    [0xFE] = A_SLOW, [0xFF] = A_SLOW,
+    [0xF2] = A_SLOW, [0xF3] = A_SLOW, [0xF4] = A_SLOW,
     [0x1B] = A_SLOW, ['%'] = A_SLOW, ['&'] = A_SLOW, ['\\'] = A_SLOW, ['['] = A_BRACKET,
     ['0'] = '0', ['1'] = '1', ['2'] = '2', ['3'] = '3', ['4'] = '4', ['5'] = '5', ['6'] = '6', ['7'] = '7', ['8'] = '8', ['9'] = '9',
     ['a'] = 'a', ['b'] = 'b', ['c'] = 'c', ['d'] = 'd', ['e'] = 'e', ['f'] = 'f', ['g'] = 'g',
@@ -207,6 +210,201 @@ static const uint8_t ASCII_CLASS[256] = {
     ['O'] = 'o', ['P'] = 'p', ['Q'] = 'q', ['R'] = 'r', ['S'] = 's', ['T'] = 't', ['U'] = 'u',
     ['V'] = 'v', ['W'] = 'w', ['X'] = 'x', ['Y'] = 'y', ['Z'] = 'z',
 };
+
+/* Per folded character of the view: a BREAK before it; decoded (its end is in `re`). */
+enum { F_BREAK = 1, F_SLOW = 2 };
+
+/* A BREAK before any of the folded characters f[1 .. GRAM - 1] (the flags of a gram)? */
+static inline int break_in_gram(const uint8_t *f) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && GRAM == 8
+    uint64_t x;
+    memcpy(&x, f, sizeof x);
+    return (x & 0x0101010101010100ull) != 0; /* F_BREAK of bytes 1-7 */
+#else
+    for (int j = 1; j < GRAM; j++)
+        if (f[j] & F_BREAK) return 1;
+    return 0;
+#endif
+}
+
+/* -- plain stretches, 32 bytes at a time ------------------------------------------------------
+ *
+ * A plain byte is one unit of one byte that reads nothing after it: an ASCII letter or digit (a
+ * folded character, lowered: `c | 0x20` leaves digits as they are) or anything IGNORED (ASCII
+ * other than ESC `%` `&` `\` `[`, and the bytes >= 0x80 that cannot start a UTF-8 character).
+ * Over a block of 32 plain bytes the view only needs each letter or digit's folded byte and raw
+ * offset appended, and a BREAK flag where more than MAX_GAP bytes went by since the previous
+ * one (a gap of plain bytes has as many units as bytes, and MAX_GAP < GAP_BYTES, so only the
+ * unit count can break it... except across the block's start, which continues the gap state).
+ * The classification is two masks of 32 bits; the letters and digits are packed eight bytes at
+ * a time with one shuffle whose control (the positions of the set bits of an 8-bit mask) comes
+ * from COMPRESS, and those same positions, widened, are the raw offsets. */
+#if defined(FOLD_AVX2)
+static const uint64_t COMPRESS[256] = {
+    0x0000000000000000ull, 0x0000000000000000ull, 0x0000000000000001ull, 0x0000000000000100ull,
+    0x0000000000000002ull, 0x0000000000000200ull, 0x0000000000000201ull, 0x0000000000020100ull,
+    0x0000000000000003ull, 0x0000000000000300ull, 0x0000000000000301ull, 0x0000000000030100ull,
+    0x0000000000000302ull, 0x0000000000030200ull, 0x0000000000030201ull, 0x0000000003020100ull,
+    0x0000000000000004ull, 0x0000000000000400ull, 0x0000000000000401ull, 0x0000000000040100ull,
+    0x0000000000000402ull, 0x0000000000040200ull, 0x0000000000040201ull, 0x0000000004020100ull,
+    0x0000000000000403ull, 0x0000000000040300ull, 0x0000000000040301ull, 0x0000000004030100ull,
+    0x0000000000040302ull, 0x0000000004030200ull, 0x0000000004030201ull, 0x0000000403020100ull,
+    0x0000000000000005ull, 0x0000000000000500ull, 0x0000000000000501ull, 0x0000000000050100ull,
+    0x0000000000000502ull, 0x0000000000050200ull, 0x0000000000050201ull, 0x0000000005020100ull,
+    0x0000000000000503ull, 0x0000000000050300ull, 0x0000000000050301ull, 0x0000000005030100ull,
+    0x0000000000050302ull, 0x0000000005030200ull, 0x0000000005030201ull, 0x0000000503020100ull,
+    0x0000000000000504ull, 0x0000000000050400ull, 0x0000000000050401ull, 0x0000000005040100ull,
+    0x0000000000050402ull, 0x0000000005040200ull, 0x0000000005040201ull, 0x0000000504020100ull,
+    0x0000000000050403ull, 0x0000000005040300ull, 0x0000000005040301ull, 0x0000000504030100ull,
+    0x0000000005040302ull, 0x0000000504030200ull, 0x0000000504030201ull, 0x0000050403020100ull,
+    0x0000000000000006ull, 0x0000000000000600ull, 0x0000000000000601ull, 0x0000000000060100ull,
+    0x0000000000000602ull, 0x0000000000060200ull, 0x0000000000060201ull, 0x0000000006020100ull,
+    0x0000000000000603ull, 0x0000000000060300ull, 0x0000000000060301ull, 0x0000000006030100ull,
+    0x0000000000060302ull, 0x0000000006030200ull, 0x0000000006030201ull, 0x0000000603020100ull,
+    0x0000000000000604ull, 0x0000000000060400ull, 0x0000000000060401ull, 0x0000000006040100ull,
+    0x0000000000060402ull, 0x0000000006040200ull, 0x0000000006040201ull, 0x0000000604020100ull,
+    0x0000000000060403ull, 0x0000000006040300ull, 0x0000000006040301ull, 0x0000000604030100ull,
+    0x0000000006040302ull, 0x0000000604030200ull, 0x0000000604030201ull, 0x0000060403020100ull,
+    0x0000000000000605ull, 0x0000000000060500ull, 0x0000000000060501ull, 0x0000000006050100ull,
+    0x0000000000060502ull, 0x0000000006050200ull, 0x0000000006050201ull, 0x0000000605020100ull,
+    0x0000000000060503ull, 0x0000000006050300ull, 0x0000000006050301ull, 0x0000000605030100ull,
+    0x0000000006050302ull, 0x0000000605030200ull, 0x0000000605030201ull, 0x0000060503020100ull,
+    0x0000000000060504ull, 0x0000000006050400ull, 0x0000000006050401ull, 0x0000000605040100ull,
+    0x0000000006050402ull, 0x0000000605040200ull, 0x0000000605040201ull, 0x0000060504020100ull,
+    0x0000000006050403ull, 0x0000000605040300ull, 0x0000000605040301ull, 0x0000060504030100ull,
+    0x0000000605040302ull, 0x0000060504030200ull, 0x0000060504030201ull, 0x0006050403020100ull,
+    0x0000000000000007ull, 0x0000000000000700ull, 0x0000000000000701ull, 0x0000000000070100ull,
+    0x0000000000000702ull, 0x0000000000070200ull, 0x0000000000070201ull, 0x0000000007020100ull,
+    0x0000000000000703ull, 0x0000000000070300ull, 0x0000000000070301ull, 0x0000000007030100ull,
+    0x0000000000070302ull, 0x0000000007030200ull, 0x0000000007030201ull, 0x0000000703020100ull,
+    0x0000000000000704ull, 0x0000000000070400ull, 0x0000000000070401ull, 0x0000000007040100ull,
+    0x0000000000070402ull, 0x0000000007040200ull, 0x0000000007040201ull, 0x0000000704020100ull,
+    0x0000000000070403ull, 0x0000000007040300ull, 0x0000000007040301ull, 0x0000000704030100ull,
+    0x0000000007040302ull, 0x0000000704030200ull, 0x0000000704030201ull, 0x0000070403020100ull,
+    0x0000000000000705ull, 0x0000000000070500ull, 0x0000000000070501ull, 0x0000000007050100ull,
+    0x0000000000070502ull, 0x0000000007050200ull, 0x0000000007050201ull, 0x0000000705020100ull,
+    0x0000000000070503ull, 0x0000000007050300ull, 0x0000000007050301ull, 0x0000000705030100ull,
+    0x0000000007050302ull, 0x0000000705030200ull, 0x0000000705030201ull, 0x0000070503020100ull,
+    0x0000000000070504ull, 0x0000000007050400ull, 0x0000000007050401ull, 0x0000000705040100ull,
+    0x0000000007050402ull, 0x0000000705040200ull, 0x0000000705040201ull, 0x0000070504020100ull,
+    0x0000000007050403ull, 0x0000000705040300ull, 0x0000000705040301ull, 0x0000070504030100ull,
+    0x0000000705040302ull, 0x0000070504030200ull, 0x0000070504030201ull, 0x0007050403020100ull,
+    0x0000000000000706ull, 0x0000000000070600ull, 0x0000000000070601ull, 0x0000000007060100ull,
+    0x0000000000070602ull, 0x0000000007060200ull, 0x0000000007060201ull, 0x0000000706020100ull,
+    0x0000000000070603ull, 0x0000000007060300ull, 0x0000000007060301ull, 0x0000000706030100ull,
+    0x0000000007060302ull, 0x0000000706030200ull, 0x0000000706030201ull, 0x0000070603020100ull,
+    0x0000000000070604ull, 0x0000000007060400ull, 0x0000000007060401ull, 0x0000000706040100ull,
+    0x0000000007060402ull, 0x0000000706040200ull, 0x0000000706040201ull, 0x0000070604020100ull,
+    0x0000000007060403ull, 0x0000000706040300ull, 0x0000000706040301ull, 0x0000070604030100ull,
+    0x0000000706040302ull, 0x0000070604030200ull, 0x0000070604030201ull, 0x0007060403020100ull,
+    0x0000000000070605ull, 0x0000000007060500ull, 0x0000000007060501ull, 0x0000000706050100ull,
+    0x0000000007060502ull, 0x0000000706050200ull, 0x0000000706050201ull, 0x0000070605020100ull,
+    0x0000000007060503ull, 0x0000000706050300ull, 0x0000000706050301ull, 0x0000070605030100ull,
+    0x0000000706050302ull, 0x0000070605030200ull, 0x0000070605030201ull, 0x0007060503020100ull,
+    0x0000000007060504ull, 0x0000000706050400ull, 0x0000000706050401ull, 0x0000070605040100ull,
+    0x0000000706050402ull, 0x0000070605040200ull, 0x0000070605040201ull, 0x0007060504020100ull,
+    0x0000000706050403ull, 0x0000070605040300ull, 0x0000070605040301ull, 0x0007060504030100ull,
+    0x0000070605040302ull, 0x0007060504030200ull, 0x0007060504030201ull, 0x0706050403020100ull,
+};
+
+static int fold_simd(void) {
+    static atomic_int known = 0; /* 0: not asked yet, 1: no, 2: yes */
+    int v = atomic_load_explicit(&known, memory_order_relaxed);
+    if (!v) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx2") ? 2 : 1;
+        atomic_store_explicit(&known, v, memory_order_relaxed);
+    }
+    return v == 2;
+}
+
+typedef struct {
+    uint32_t gap_units, gap_bytes, broken; /* scrub_fold.view's, after the last unit read */
+} gap_t;
+
+/* Appends the units of d[i:] to the view while whole blocks of 32 plain bytes (or the plain
+ * start of a block) remain; returns where it stopped: at a byte that is not plain, or with
+ * fewer than 32 bytes left. chars, rs and flags have room for *nc + 32 more entries. */
+__attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_t n, size_t i,
+                                                          uint8_t *chars, uint32_t *rs,
+                                                          uint8_t *flags, size_t *nc, gap_t *g) {
+    size_t k = *nc;
+    const __m256i zero = _mm256_setzero_si256();
+    while (n - i >= 32) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(d + i));
+        __m256i low = _mm256_or_si256(v, _mm256_set1_epi8(0x20));
+        /* Signed compares: a byte >= 0x80 is negative, so never a letter or digit. */
+        __m256i letter = _mm256_and_si256(_mm256_cmpgt_epi8(low, _mm256_set1_epi8('a' - 1)),
+                                          _mm256_cmpgt_epi8(_mm256_set1_epi8('z' + 1), low));
+        __m256i digit = _mm256_and_si256(_mm256_cmpgt_epi8(v, _mm256_set1_epi8('0' - 1)),
+                                         _mm256_cmpgt_epi8(_mm256_set1_epi8('9' + 1), v));
+        /* Not plain: ESC % & \\ [, and 0xC2-0xF4 (-62..-12 signed: only negative bytes) before a
+         * continuation byte. */
+        __m256i lead = _mm256_and_si256(_mm256_cmpgt_epi8(v, _mm256_set1_epi8(-63)),
+                                        _mm256_cmpgt_epi8(_mm256_set1_epi8(-11), v));
+        __m256i slow = _mm256_or_si256(
+            _mm256_or_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(0x1B)),
+                            _mm256_cmpeq_epi8(v, _mm256_set1_epi8('%'))),
+            _mm256_or_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8('&')),
+                            _mm256_cmpeq_epi8(v, _mm256_set1_epi8('\\'))));
+        slow = _mm256_or_si256(slow, _mm256_cmpeq_epi8(v, _mm256_set1_epi8('[')));
+        /* A lead byte not followed by a continuation byte (0x80-0xBF: -128..-65) is one
+         * IGNORED byte whatever it leads (utf8() reads only that next byte): plain, unless that
+         * byte is past the block. Random or binary data is mostly such bytes. */
+        uint32_t cont = (uint32_t)_mm256_movemask_epi8(
+            _mm256_cmpgt_epi8(_mm256_set1_epi8(-64), v));
+        uint32_t s = (uint32_t)_mm256_movemask_epi8(slow) |
+                     ((uint32_t)_mm256_movemask_epi8(lead) & ((cont >> 1) | 0x80000000u));
+        uint32_t m = (uint32_t)_mm256_movemask_epi8(_mm256_or_si256(letter, digit));
+        uint32_t len = 32;
+        if (s) {
+            len = (uint32_t)__builtin_ctz(s);
+            if (!len) break;
+            m &= (1u << len) - 1;
+        }
+        if (!m) {
+            g->gap_units += len;
+            g->gap_bytes += len;
+            g->broken |= g->gap_units > MAX_GAP || g->gap_bytes > GAP_BYTES;
+        } else {
+            size_t k0 = k;
+            _mm256_storeu_si256((__m256i *)(flags + k0), zero);
+            __m128i halves[2] = {_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)};
+            for (int q = 0; q < 4; q++) {
+                uint32_t m8 = (m >> (8 * q)) & 0xFF;
+                __m128i ctl = _mm_cvtsi64_si128((long long)COMPRESS[m8]);
+                __m128i src = halves[q >> 1];
+                __m128i sel = (q & 1) ? _mm_add_epi8(ctl, _mm_set1_epi8(8)) : ctl;
+                _mm_storel_epi64((__m128i *)(chars + k), _mm_shuffle_epi8(src, sel));
+                __m256i off = _mm256_add_epi32(_mm256_cvtepu8_epi32(ctl),
+                                               _mm256_set1_epi32((int)(i + 8 * (size_t)q)));
+                _mm256_storeu_si256((__m256i *)(rs + k), off);
+                k += (size_t)__builtin_popcount(m8);
+            }
+            uint32_t first = (uint32_t)__builtin_ctz(m);
+            if (g->broken || g->gap_units + first > MAX_GAP || g->gap_bytes + first > GAP_BYTES)
+                flags[k0] = F_BREAK;
+            /* The block's other characters after more than MAX_GAP bytes that are not: bit p of
+             * run is set when the MAX_GAP + 1 bits from p are all clear in m, so a character at
+             * bit b follows such a gap when bit b - (MAX_GAP + 1) of run is. (Indentation.) */
+            _Static_assert(MAX_GAP == 8, "run: MAX_GAP + 1 clear bits");
+            uint32_t z = ~m, z2 = z & (z >> 1), z4 = z2 & (z2 >> 2), z8 = z4 & (z4 >> 4);
+            uint32_t run = z8 & (z >> 8);
+            for (uint32_t b = m & (run << (MAX_GAP + 1)) & (m - 1); b; b &= b - 1) {
+                uint32_t bit = (uint32_t)__builtin_ctz(b);
+                flags[k0 + (size_t)__builtin_popcount(m & ((1u << bit) - 1))] = F_BREAK;
+            }
+            uint32_t after = len - 1 - (31u - (uint32_t)__builtin_clz(m));
+            g->gap_units = g->gap_bytes = after;
+            g->broken = after > MAX_GAP;
+        }
+        i += len;
+        if (len < 32) break;
+    }
+    *nc = k;
+    return i;
+}
+#endif
 
 /* -- the unit decoder (scrub_fold.next_unit and its helpers) ------------------------------- */
 
@@ -519,10 +717,20 @@ static void window_key(const uint8_t *s, size_t len, uint64_t *lo, uint64_t *hi)
     *hi = h | ((uint64_t)len << 32);
 }
 
+/* The filter's gram at s: its GRAM (8) folded bytes as they are in the view, one load. */
 static inline uint64_t gram_of(const uint8_t *s) {
-    uint64_t g = 0;
-    for (int k = 0; k < GRAM; k++) g = (g << 6) | (uint64_t)code_of(s[k]);
+    uint64_t g;
+    memcpy(&g, s, sizeof g);
     return g;
+}
+
+/* The filter's hash of a gram: every output bit depends on all eight bytes (the word index
+ * is taken from the top bits, the bits within the word from the bottom ones). */
+static inline uint64_t probe_hash(uint64_t g) {
+    uint64_t h = g * K1;
+    h ^= h >> 29;
+    h *= K2;
+    return h ^ (h >> 32);
 }
 
 static inline uint64_t gram_hash(uint64_t g) {
@@ -530,7 +738,13 @@ static inline uint64_t gram_hash(uint64_t g) {
     return h ^ (h >> 31);
 }
 
-static inline uint64_t gram_bits(uint64_t h) { return (1ull << (h & 63)) | (1ull << ((h >> 6) & 63)); }
+/* Four bits in one word: one cache line per probe. With the filter's ~32 bits per gram (256
+ * secrets) 2-5 probes in 10,000 pass on JSON and source code holding none of the secrets (with
+ * three bits, up to 11); each costs the lookup of up to 9 windows per length. */
+static inline uint64_t gram_bits(uint64_t h) {
+    return (1ull << (h & 63)) | (1ull << ((h >> 6) & 63)) | (1ull << ((h >> 12) & 63)) |
+           (1ull << ((h >> 18) & 63));
+}
 
 static inline uint64_t hold_gram_of(const uint8_t *s) {
     uint64_t g = 0;
@@ -617,7 +831,7 @@ int fold_tables_new(const char *pieces, size_t pieces_len, const int32_t *plen,
         size_t len = plength >= W ? W : plength;
         present[len] = 1;
         for (size_t o = 0; o + GRAM <= plength; o++) {
-            uint64_t h = gram_hash(gram_of(piece + o));
+            uint64_t h = probe_hash(gram_of(piece + o));
             t->grams[h >> t->grams_shift] |= gram_bits(h);
         }
         for (size_t o = 0; o + HOLD_GRAM <= plength; o++) {
@@ -774,8 +988,6 @@ static int view_reserve(fold_work *w, size_t n) {
     return FOLD_OK;
 }
 
-enum { F_BREAK = 1, F_SLOW = 2 };
-
 /* A BREAK before any of the folded characters [a, b)? */
 static inline int break_in(const uint8_t *flags, size_t a, size_t b) {
     for (size_t j = a; j < b; j++)
@@ -817,7 +1029,8 @@ static int emit_marker(fold_work *w, const fold_tables *t, int32_t idx) {
 static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t n, int eof,
                    size_t *consumed) {
     if (n >= UINT32_MAX) return FOLD_ETOOBIG;
-    int rc = view_reserve(w, n + 1);
+    /* + 32: the block loop writes whole blocks past the last character it keeps */
+    int rc = view_reserve(w, n + 33);
     if (rc) return rc;
     uint8_t *restrict chars = w->chars;
     uint32_t *restrict rs = w->rs;
@@ -826,17 +1039,34 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
     size_t nc = 0, nspans = 0, i = 0;
     uint32_t gap_units = 0, gap_bytes = 0;
     uint32_t broken = 1;
-    /* Pass 1: the view (scrub_fold.view). A stretch of plain ASCII (no `%`, `&`, `\\`, ESC,
-     * nothing >= 0x80) is one unit per byte, so the gap before a folded character there is the
+    /* Pass 1: the view (scrub_fold.view). A stretch of plain bytes (ASCII but `%`, `&`, `\\`,
+     * ESC; the bytes >= 0x80 that cannot start a UTF-8 character) is one unit per byte, so the gap before a folded character there is the
      * distance to the previous one: the stretch is read by a loop that only writes each byte's
      * folded character and offset to the next slot (a folded one advances; no branch on the
      * text, whose letter/punctuation boundaries would each be a misprediction), then a second
      * loop over the characters it found sets their ends and runs. The decoder, for the rest,
-     * is called out of line. */
+     * is called out of line. With AVX2, plain_avx2 takes the stretch 32 bytes at a time and
+     * this loop only its last bytes, or the one `[` the blocks stop at. */
+#if defined(FOLD_AVX2)
+    const int simd = fold_simd();
+#else
+    const int simd = 0;
+#endif
     for (;;) {
+#if defined(FOLD_AVX2)
+        if (simd) {
+            gap_t g = {gap_units, gap_bytes, broken};
+            i = plain_avx2(d, n, i, chars, rs, flags, &nc, &g);
+            gap_units = g.gap_units;
+            gap_bytes = g.gap_bytes;
+            broken = g.broken;
+        }
+#endif
+        /* With the blocks, at a byte that is not plain (32 or more left): that byte alone. */
+        const size_t lim = simd && n - i >= 32 ? i + 1 : n;
         size_t stretch = i;
         uint32_t k = (uint32_t)nc;
-        while (i < n) {
+        while (i < lim) {
             uint32_t c = ASCII_CLASS[d[i]];
             if (c - A_SLOW <= A_BRACKET - A_SLOW) { /* rare: the decoder, or a plain `[` */
                 /* A `[` that cannot open a marker is one IGNORED byte (what the decoder says
@@ -868,6 +1098,7 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
         }
         nc = k;
         if (i >= n) break;
+        if (i == lim) continue; /* a plain `[`: back to the blocks */
         size_t end;
         int kind = next_unit(t, d, n, i, eof, &end);
         if (kind == K_NEED_MORE) break;
@@ -888,21 +1119,48 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
         }
         i = end;
     }
-    /* Pass 2: the windows, probed every `stride` positions (see the top of this file). */
+    /* Where the hold of a stream may begin: max(the start of the last run, nc - (W - 1)) (the
+     * first character starts a run). The exact set of grams the cut reads from there is far
+     * larger than a cache: its slots are fetched now, to arrive during pass 2. */
+    size_t hold_from = nc;
+    if (!eof && !broken) {
+        size_t low = nc >= W ? nc - (W - 1) : 0;
+        hold_from = low;
+        for (size_t j = nc; j-- > low;) {
+            if (flags[j] & F_BREAK) {
+                hold_from = j;
+                break;
+            }
+        }
+        for (size_t j = hold_from; j + HOLD_GRAM <= nc; j++)
+            PREFETCH(&t->holds[(size_t)gram_hash(hold_gram_of(chars + j)) & t->holds_mask]);
+    }
+    /* Pass 2: the windows, probed every `stride` positions (see the top of this file). The
+     * filter is larger than a core's L2 with hundreds of secrets, so nearly every probe misses
+     * the cache: the hashes of a batch of PROBE_BATCH probes are computed and their words
+     * prefetched one batch ahead of the tests, which keeps that many misses in flight. */
     size_t next_p[W + 1] = {0};
     const size_t stride = t->stride;
     const uint64_t *grams = t->grams;
     const unsigned gshift = t->grams_shift;
-    uint64_t h_next = nc >= GRAM ? gram_hash(gram_of(chars)) : 0;
-    for (size_t k = 0; k + GRAM <= nc; k += stride) {
-        uint64_t h = h_next;
-        if (k + stride + GRAM <= nc) { /* the next probe's word, fetched while this one waits */
-            h_next = gram_hash(gram_of(chars + k + stride));
-#if defined(__GNUC__)
-            __builtin_prefetch(&grams[h_next >> gshift]);
-#endif
+    const size_t nprobe = nc >= GRAM ? (nc - GRAM) / stride + 1 : 0;
+    uint64_t hbuf[2][PROBE_BATCH];
+    for (size_t j = 0; j < nprobe && j < PROBE_BATCH; j++) {
+        hbuf[0][j] = probe_hash(gram_of(chars + j * stride));
+        PREFETCH(&grams[hbuf[0][j] >> gshift]);
+    }
+    for (size_t j = 0; j < nprobe; j++) {
+        size_t slot = j % PROBE_BATCH;
+        if (slot == 0) { /* the next batch's words, fetched while this one is tested */
+            uint64_t *next = hbuf[(j / PROBE_BATCH + 1) & 1];
+            for (size_t q = j + PROBE_BATCH; q < nprobe && q < j + 2 * PROBE_BATCH; q++) {
+                next[q - j - PROBE_BATCH] = probe_hash(gram_of(chars + q * stride));
+                PREFETCH(&grams[next[q - j - PROBE_BATCH] >> gshift]);
+            }
         }
-        if (break_in(flags, k + 1, k + GRAM)) continue; /* a BREAK inside the gram */
+        const size_t k = j * stride;
+        const uint64_t h = hbuf[(j / PROBE_BATCH) & 1][slot];
+        if (break_in_gram(flags + k)) continue; /* a BREAK inside the gram */
         uint64_t bits = gram_bits(h);
         if ((grams[h >> gshift] & bits) != bits) continue;
         for (int m = 0; m < t->nlen; m++) {
@@ -957,15 +1215,7 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
         cut = nc;
         upto = parsed;
     } else {
-        /* max(the start of the last run, nc - (W - 1)); the first character starts a run */
-        size_t low = nc >= W ? nc - (W - 1) : 0;
-        cut = low;
-        for (size_t j = nc; j-- > low;) {
-            if (flags[j] & F_BREAK) {
-                cut = j;
-                break;
-            }
-        }
+        cut = hold_from;
         /* Released up to the first that could begin a window (scrub_fold: the hold). */
         while (cut + HOLD_GRAM <= nc && !hold_gram_in(t, chars + cut)) cut++;
         for (size_t k = 0; k < ng; k++) {
@@ -999,9 +1249,11 @@ int fold_feed(fold_stream *st, fold_work *w, const char *in, size_t len, int eof
               size_t *out_len) {
     *out = NULL;
     *out_len = 0;
-    if (atomic_exchange(&st->busy, 1)) return FOLD_EBUSY;
-    if (atomic_exchange(&w->busy, 1)) {
-        atomic_store(&st->busy, 0);
+    /* Acquire and release: a lock's ordering, and on x86 the releases are plain stores (a
+     * sequentially consistent store is a locked exchange, which a 1 KiB feed notices). */
+    if (atomic_exchange_explicit(&st->busy, 1, memory_order_acquire)) return FOLD_EBUSY;
+    if (atomic_exchange_explicit(&w->busy, 1, memory_order_acquire)) {
+        atomic_store_explicit(&st->busy, 0, memory_order_release);
         return FOLD_EBUSY;
     }
     int rc = FOLD_OK;
@@ -1058,7 +1310,7 @@ int fold_feed(fold_stream *st, fold_work *w, const char *in, size_t len, int eof
     *out = (const char *)w->out;
     *out_len = w->out_len;
 done:
-    atomic_store(&w->busy, 0);
-    atomic_store(&st->busy, 0);
+    atomic_store_explicit(&w->busy, 0, memory_order_release);
+    atomic_store_explicit(&st->busy, 0, memory_order_release);
     return rc;
 }
