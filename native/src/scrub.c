@@ -47,7 +47,10 @@
 #define WINDOW 8
 #define ZW_RUN_MAX 2 /* scrub_patterns.ZW_RUN_MAX */
 #define PIECE ((size_t)64 * 1024)   /* new input bytes per advance */
-#define FIRST_MIN ((size_t)512)     /* ... when the pending tail has to be copied in front */
+/* ... when the pending tail has to be copied in front: a call of up to this many bytes is one
+ * advance (a second one over the rest cost more than the copy: its setup and the positions at
+ * its end that the vector loop leaves to the scalar one) */
+#define FIRST_MIN ((size_t)4096)
 #define DEFER_MIN ((size_t)8192)     /* shorter unchanged tails are copied into the output */
 #define WORK_KEEP ((size_t)4 << 20)  /* a work area's buffers above this shrink for small calls */
 #define PEND_KEEP ((size_t)4096)     /* pending buffer slack kept between calls */
@@ -307,6 +310,10 @@ struct scrub_tables {
     key3_t *k3;
     size_t k3_mask;
     uint32_t *k3_shapes;
+    /* ... and the same keys as bits of a 64 Kbit map (K3BITS_HASH): a test with no branch for
+     * the AVX2 loop's candidates, which mostly stop there (a few keys share a bit: the table
+     * decides) */
+    uint8_t *k3bits;
     /* the shapes by the lowercase first byte of their opening (shape_tail): t1_shapes[t1_first[b]
      * .. t1_first[b + 1]], in shape order */
     uint32_t t1_first[257];
@@ -347,6 +354,7 @@ void scrub_tables_free(scrub_tables *t) {
     free(t->gshapes);
     free(t->k3);
     free(t->k3_shapes);
+    free(t->k3bits);
     free(t->t1_shapes);
     free(t);
 }
@@ -614,6 +622,9 @@ static inline size_t key3_slot(uint32_t key, size_t mask) {
     return (size_t)((key * UINT32_C(0x9E3779B1)) >> 7) & mask;
 }
 
+/* The bit of scrub_tables.k3bits for a key. */
+#define K3BITS_HASH(key) ((uint32_t)((key) * UINT32_C(0x9E3779B1)) >> 16)
+
 static int cmp_u64v(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
@@ -663,12 +674,13 @@ static int build_key3(scrub_tables *t) {
     size_t size = pow2_at_least(2 * nkeys + 2);
     t->k3 = xcalloc(size, sizeof(key3_t));
     t->k3_shapes = xmalloc(npairs ? npairs : 1, sizeof(uint32_t));
-    if (!t->k3 || !t->k3_shapes) {
+    t->k3bits = xcalloc(65536 / 8, 1);
+    if (!t->k3 || !t->k3_shapes || !t->k3bits) {
         free(pairs);
         return SCRUB_ENOMEM;
     }
     t->k3_mask = size - 1;
-    t->footprint += size * sizeof(key3_t) + npairs * sizeof(uint32_t);
+    t->footprint += size * sizeof(key3_t) + npairs * sizeof(uint32_t) + 65536 / 8;
     for (size_t i = 0; i < npairs;) {
         uint32_t key = (uint32_t)(pairs[i] >> 16);
         size_t j = i;
@@ -676,6 +688,8 @@ static int build_key3(scrub_tables *t) {
             t->k3_shapes[j] = (uint32_t)(pairs[j] & 0xFFFF);
             j++;
         }
+        uint32_t bit = K3BITS_HASH(key);
+        t->k3bits[bit >> 3] |= (uint8_t)(1u << (bit & 7));
         size_t slot = key3_slot(key, t->k3_mask);
         while (t->k3[slot].key) slot = (slot + 1) & t->k3_mask;
         t->k3[slot].key = key + 1;
@@ -1215,6 +1229,10 @@ struct scrub_work {
     size_t zcap;
     uint8_t *capped; /* the input after the zero-width cap, when the cap changed it */
     size_t capped_cap;
+    uint8_t *join; /* a stream's pending tail, then the first piece of its new input (scrub_feed's
+                      phase 1): here rather than in the stream, so an idle stream holds only
+                      its tail */
+    size_t join_cap;
 };
 
 typedef struct {
@@ -1250,6 +1268,9 @@ static void work_release(scrub_work *w) {
     free(w->capped);
     w->capped = NULL;
     w->capped_cap = 0;
+    free(w->join);
+    w->join = NULL;
+    w->join_cap = 0;
     w->out = w->skel = w->stopped = NULL;
     w->recs = NULL;
     w->ms = NULL;
@@ -1275,7 +1296,7 @@ void scrub_work_trim(scrub_work *w) {
 size_t scrub_work_footprint(const scrub_work *w) {
     return sizeof(*w) + w->out_cap + w->rcap * sizeof(rec_t) + w->mcap * sizeof(smatch_t) +
            w->scap * (sizeof(int64_t) + 1) + w->bcap * 2 * sizeof(int64_t) +
-           w->zcap * (1 + sizeof(uint32_t)) + w->capped_cap;
+           w->zcap * (1 + sizeof(uint32_t)) + w->capped_cap + w->join_cap;
 }
 
 /* Per-shape arrays for these tables; the output buffer emptied (and given back when the last
@@ -1288,6 +1309,11 @@ static int work_prepare(scrub_work *w, const scrub_tables *t, const uint8_t *in,
         free(w->out);
         w->out = NULL;
         w->out_cap = 0;
+    }
+    if (w->join_cap > WORK_KEEP && w->join_cap / 4 > len) {
+        free(w->join);
+        w->join = NULL;
+        w->join_cap = 0;
     }
     if (w->zcap > WORK_KEEP && w->zcap / 4 > len) {
         free(w->skel);
@@ -1911,33 +1937,31 @@ static inline __attribute__((always_inline)) size_t fast_blocks(scan_t *c, int l
 }
 
 #if defined(SCRUB_AVX2)
-/* The loop with AVX2, shapes and literals in one pass: per 32 positions, the shapes' nibble
- * filter (then shape_at, exact, at each candidate) and the literals' 4-gram probes whose blocks
- * begin there (block [lb, lb + 5) is probed at lb + 4, as in fast_blocks). Returns the first
- * position whose shapes are not covered; *lit_next: the first literal position not covered. */
-/* A nibble filter's mask for the 32 positions at q (tables from memory: the rare path). */
-__attribute__((target("avx2"))) static inline uint32_t ted_mask(const uint8_t lo_t[2][4][16],
-                                                                const uint8_t hi_t[2][4][16],
-                                                                const uint8_t *q) {
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m256i qa = _mm256_set1_epi8(-1), qb = qa;
-    for (int j = 0; j < 4; j++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + j));
-        __m256i l = _mm256_and_si256(v, nib);
-        __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        __m256i l0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo_t[0][j]));
-        __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi_t[0][j]));
-        __m256i l1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo_t[1][j]));
-        __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi_t[1][j]));
-        qa = _mm256_and_si256(qa, _mm256_and_si256(_mm256_shuffle_epi8(l0, l),
-                                                   _mm256_shuffle_epi8(h0, h)));
-        qb = _mm256_and_si256(qb, _mm256_and_si256(_mm256_shuffle_epi8(l1, l),
-                                                   _mm256_shuffle_epi8(h1, h)));
+/* The AVX2 loop's shape candidates, in position order: those whose three bytes are a key of
+ * k3bits go on to shape_at_key (exact). Kept without a branch per candidate: the candidates are
+ * many (one position in 50 to 60 of prose and code) and whether one passes is a coin toss to the
+ * branch predictor; branching on them in the loop cost more than the filter itself. */
+#define CAND_MAX 256
+
+static void shape_cands(scan_t *c, uint32_t *cand, size_t nc) {
+    const uint8_t *bits = c->t->k3bits;
+    const uint8_t *S = c->S;
+    size_t k = 0;
+    for (size_t i = 0; i < nc; i++) {
+        uint32_t q = cand[i];
+        uint32_t h = K3BITS_HASH(key3_of(S + q));
+        cand[k] = q;
+        k += (bits[h >> 3] >> (h & 7)) & 1;
     }
-    return ~(uint32_t)_mm256_movemask_epi8(
-        _mm256_cmpeq_epi8(_mm256_or_si256(qa, qb), _mm256_setzero_si256()));
+    for (size_t i = 0; i < k && !c->err; i++) shape_at_key(c, cand[i]);
 }
 
+/* The loop with AVX2, shapes and literals in one pass: per 32 positions, the shapes' nibble
+ * filter ("Teddy", 16 buckets) and the literals' 4-gram probes whose blocks begin there (block
+ * [lb, lb + 5) is probed at lb + 4, as in fast_blocks). The filter's candidates are queued
+ * (cand) and go through shape_cands every CAND_MAX or so, in order: nothing in the loop
+ * branches on them. Returns the first position whose shapes are not covered; *lit_next: the
+ * first literal position not covered. */
 __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, size_t *lit_next) {
     const scrub_tables *t = c->t;
     const uint8_t *S = c->S;
@@ -1954,6 +1978,9 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
                 _mm_loadu_si128((const __m128i *)(const void *)t->ted_hi[s][j]));
         }
     }
+    /* room for a whole mask past CAND_MAX: the queue is emptied once it holds more */
+    uint32_t cand[CAND_MAX + 32];
+    size_t nc = 0;
     size_t p = 0, lb = 0;
     for (; p + 35 <= n; p += 32) {
         __m256i ra = _mm256_set1_epi8(-1), rb = ra;
@@ -1968,6 +1995,17 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
         }
         uint32_t m = ~(uint32_t)_mm256_movemask_epi8(
             _mm256_cmpeq_epi8(_mm256_or_si256(ra, rb), zero));
+        /* the first four candidates with no branch (a mask rarely has more); when m runs out,
+         * the entry written is p + 31, not counted */
+        for (int r = 0; r < 4; r++) {
+            cand[nc] = (uint32_t)(p + (size_t)__builtin_ctz(m | UINT32_C(0x80000000)));
+            nc += m != 0;
+            m &= m - 1;
+        }
+        while (__builtin_expect(m != 0, 0)) {
+            cand[nc++] = (uint32_t)(p + (size_t)__builtin_ctz(m));
+            m &= m - 1;
+        }
         if (lits) {
             /* the blocks beginning before p + 32 that have their 8 bytes (the last ones may
              * not: they wait for the loop after this one) */
@@ -1979,16 +2017,13 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
                 }
             }
         }
-        if (__builtin_expect(m != 0, 0)) {
-            /* the second filter (its tables from memory: the rare path) */
-            m &= ted_mask(t->ted2_lo, t->ted2_hi, S + p);
-            while (m) {
-                shape_at(c, p + (size_t)__builtin_ctz(m));
-                m &= m - 1;
-            }
+        if (__builtin_expect(nc > CAND_MAX, 0)) {
+            shape_cands(c, cand, nc);
+            nc = 0;
         }
         if (c->err) return n;
     }
+    shape_cands(c, cand, nc);
     /* the literal blocks that still have their 8 bytes */
     for (; lits && lb + WINDOW <= n && !c->err; lb += 5) {
         if (lit_filter(t, S + lb + 4)) {
@@ -2056,9 +2091,10 @@ static int cmp_rec(const void *a, const void *b) {
 static const uint8_t MARK_OPEN[] = "[REDACTED:";
 
 /* One ReferenceStream._advance over raw (the pending tail, then new input). Writes the released
- * output and sets *cut: raw[*cut:] stays pending. */
+ * output and sets *cut: raw[*cut:] stays pending. zw_free: raw is known to hold no zero-width
+ * character. */
 static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t rawlen, int eof,
-                   size_t *cut) {
+                   int zw_free, size_t *cut) {
     const scrub_tables *t = st->t;
     if (rawlen > (size_t)UINT32_MAX - 8) return SCRUB_ETOOBIG;
     /* split: a zero-width character cut by the end of the chunk waits for the next one */
@@ -2074,9 +2110,9 @@ static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t 
     }
     size_t lim = rawlen - held;
 #if defined(SCRUB_AVX2)
-    size_t z = t->simd ? find_zw_avx2(raw, lim) : find_zw(raw, lim);
+    size_t z = zw_free ? lim : t->simd ? find_zw_avx2(raw, lim) : find_zw(raw, lim);
 #else
-    size_t z = find_zw(raw, lim);
+    size_t z = zw_free ? lim : find_zw(raw, lim);
 #endif
     const uint8_t *S = raw;
     const uint32_t *soff = NULL;
@@ -2282,6 +2318,9 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
     if (len == 0 && !eof) goto done;
     const uint8_t *given = in;
     if ((rc = zw_cap(st, w, &in, &len, eof))) goto fail;
+    /* zw_cap leaves the input as it is only when it holds no zero-width character: then
+     * neither does any part of it, and advance need not look for one */
+    const int zw_free = in == given;
     if ((rc = work_prepare(w, st->t, in, len))) goto fail;
     if (len == 0 && !eof) goto done; /* all of it carried */
     if (st->pend_len == 0 && len == 0) {
@@ -2310,12 +2349,12 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
         if (take > cap) take = cap;
         int last = pos + take == len;
         size_t old = st->pend_len, rawlen = old + take;
-        if ((rc = grow(&st->pend, &st->pend_cap, rawlen))) goto fail;
-        if (take) memcpy(st->pend + old, in + pos, take);
-        st->pend_len = rawlen;
+        if ((rc = grow(&w->join, &w->join_cap, rawlen))) goto fail;
+        memcpy(w->join, st->pend, old);
+        if (take) memcpy(w->join + old, in + pos, take);
         w->raw_mirror = old;
         w->in_base = pos;
-        if ((rc = advance(st, w, st->pend, rawlen, eof && last, &cut))) goto fail;
+        if ((rc = advance(st, w, w->join, rawlen, eof && last, 0, &cut))) goto fail;
         pos += take;
         if (eof && last) {
             st->pend_len = 0;
@@ -2325,7 +2364,8 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
             st->pend_len = 0;
             in_place = 1;
         } else {
-            memmove(st->pend, st->pend + cut, rawlen - cut);
+            if ((rc = grow(&st->pend, &st->pend_cap, rawlen - cut))) goto fail;
+            memcpy(st->pend, w->join + cut, rawlen - cut);
             st->pend_len = rawlen - cut;
             if (last) finished = 1;
         }
@@ -2337,7 +2377,8 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
             int last = pos + take == len;
             w->raw_mirror = 0;
             w->in_base = pstart;
-            if ((rc = advance(st, w, in + pstart, pos + take - pstart, eof && last, &cut)))
+            if ((rc = advance(st, w, in + pstart, pos + take - pstart, eof && last, zw_free,
+                              &cut)))
                 goto fail;
             pstart += cut;
             pos += take;
