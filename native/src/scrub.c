@@ -2108,10 +2108,10 @@ static int cmp_rec(const void *a, const void *b) {
 static const uint8_t MARK_OPEN[] = "[REDACTED:";
 
 /* One ReferenceStream._advance over raw (the pending tail, then new input). Writes the released
- * output and sets *cut: raw[*cut:] stays pending. zw_free: raw is known to hold no zero-width
- * character. */
+ * output and sets *cut: raw[*cut:] stays pending. raw[clean:] is known to hold no zero-width
+ * character (clean = rawlen: nothing is known). */
 static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t rawlen, int eof,
-                   int zw_free, size_t *cut) {
+                   size_t clean, size_t *cut) {
     const scrub_tables *t = st->t;
     if (rawlen > (size_t)UINT32_MAX - 8) return SCRUB_ETOOBIG;
     /* split: a zero-width character cut by the end of the chunk waits for the next one */
@@ -2126,11 +2126,14 @@ static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t 
         }
     }
     size_t lim = rawlen - held;
+    /* a zero-width character beginning before `clean` ends by clean + 2 */
+    size_t zlim = clean + 2 < lim ? clean + 2 : lim;
 #if defined(SCRUB_AVX2)
-    size_t z = zw_free ? lim : t->simd ? find_zw_avx2(raw, lim) : find_zw(raw, lim);
+    size_t z = t->simd ? find_zw_avx2(raw, zlim) : find_zw(raw, zlim);
 #else
-    size_t z = zw_free ? lim : find_zw(raw, lim);
+    size_t z = find_zw(raw, zlim);
 #endif
+    if (z == zlim) z = lim;
     const uint8_t *S = raw;
     const uint32_t *soff = NULL;
     size_t n = lim;
@@ -2336,7 +2339,7 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
     const uint8_t *given = in;
     if ((rc = zw_cap(st, w, &in, &len, eof))) goto fail;
     /* zw_cap leaves the input as it is only when it holds no zero-width character: then
-     * neither does any part of it, and advance need not look for one */
+     * neither does any part of it, and advance looks for one only in the pending tail */
     const int zw_free = in == given;
     if ((rc = work_prepare(w, st->t, in, len))) goto fail;
     if (len == 0 && !eof) goto done; /* all of it carried */
@@ -2371,7 +2374,8 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
         if (take) memcpy(w->join + old, in + pos, take);
         w->raw_mirror = old;
         w->in_base = pos;
-        if ((rc = advance(st, w, w->join, rawlen, eof && last, 0, &cut))) goto fail;
+        if ((rc = advance(st, w, w->join, rawlen, eof && last, zw_free ? old : rawlen, &cut)))
+            goto fail;
         pos += take;
         if (eof && last) {
             st->pend_len = 0;
@@ -2394,7 +2398,8 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
             int last = pos + take == len;
             w->raw_mirror = 0;
             w->in_base = pstart;
-            if ((rc = advance(st, w, in + pstart, pos + take - pstart, eof && last, zw_free,
+            size_t rawlen = pos + take - pstart;
+            if ((rc = advance(st, w, in + pstart, rawlen, eof && last, zw_free ? 0 : rawlen,
                               &cut)))
                 goto fail;
             pstart += cut;
