@@ -986,7 +986,7 @@ static void build_ted(scrub_tables *t, int shift, uint8_t lo_out[2][4][16],
 }
 
 /* The nibble filter on the bytes at offsets 0..3 of a match. With the ~200 distinct openings of
- * the default shapes it lets through one position in 50 to 60 of prose and code; those go on to
+ * the default shapes it lets through about one position in 50 of prose and code; those go on to
  * k3bits (fast_avx2). A second nibble filter, grouping the openings otherwise, halved that, but
  * computed in the loop it cost more than the candidates it saved, and on the branch taken when
  * the first let a position through it cost more again (mispredictions). */
@@ -1957,7 +1957,7 @@ static inline __attribute__((always_inline)) size_t fast_blocks(scan_t *c, int l
 #if defined(SCRUB_AVX2)
 /* The AVX2 loop's shape candidates, in position order: those whose three bytes are a key of
  * k3bits go on to shape_at_key (exact). Kept without a branch per candidate: the candidates are
- * many (one position in 50 to 60 of prose and code) and whether one passes is a coin toss to the
+ * many (about one position in 50 of prose and code) and whether one passes is a coin toss to the
  * branch predictor; branching on them in the loop cost more than the filter itself. */
 #define CAND_MAX 256
 
