@@ -16,10 +16,13 @@
  * - literals of < 8 bytes (raw secrets that short): a side pass, one hash table per length;
  * - shapes: a prefilter on the first bytes of their opening literal, in the same loop as the
  *   literals' filter: with AVX2 (x86-64, chosen at run time), a nibble filter ("Teddy") over the
- *   first four bytes of every shape in 16 buckets, 32 positions per step; else a table per byte
- *   (TRI) whose lanes, ANDed over three bytes, say which group of shapes may begin there. Then
- *   the opening literal itself, then the shape's possessive matcher (match_segment /
- *   match_shape of the reference), not_after, optional_from, per-shape non-overlap;
+ *   first four bytes of every shape in 16 buckets, 32 positions per step, whose candidates are
+ *   queued and tested against a bitmap of the openings' first three bytes, both without a
+ *   branch per candidate; else a table per byte (TRI) whose lanes, ANDed over three bytes, say
+ *   which group of shapes may begin there. Then the shapes opening with exactly those three
+ *   bytes (table k3), the opening literal itself, then the shape's possessive matcher
+ *   (match_segment / match_shape of the reference), not_after, optional_from, per-shape
+ *   non-overlap;
  * - at the end of a non-final buffer: which positions could still start a match (the "tails").
  *
  * The release point, the key/value rule, the merge of spans into named groups and the output
@@ -47,7 +50,10 @@
 #define WINDOW 8
 #define ZW_RUN_MAX 2 /* scrub_patterns.ZW_RUN_MAX */
 #define PIECE ((size_t)64 * 1024)   /* new input bytes per advance */
-#define FIRST_MIN ((size_t)512)     /* ... when the pending tail has to be copied in front */
+/* ... when the pending tail has to be copied in front: a call of up to this many bytes is one
+ * advance (a second one over the rest cost more than the copy: its setup and the positions at
+ * its end that the vector loop leaves to the scalar one) */
+#define FIRST_MIN ((size_t)4096)
 #define DEFER_MIN ((size_t)8192)     /* shorter unchanged tails are copied into the output */
 #define WORK_KEEP ((size_t)4 << 20)  /* a work area's buffers above this shrink for small calls */
 #define PEND_KEEP ((size_t)4096)     /* pending buffer slack kept between calls */
@@ -70,6 +76,25 @@ static const uint8_t MASK8[64] = {
 };
 #define LANE ((UINT64_C(1) << GROUPS) - 1)
 
+/* Three different bits of a 16-bit word, from 8 bits of hash: the 4-gram filter's probe. With two
+ * bits of a byte (MASK8) the filter let through one block in 70 to 90 of JSON and code, nearly
+ * all of them for a few very common 4-grams (`e":"`, `":[{`, four spaces) that happened to land
+ * on set bits; three bits of 16 in the same bytes make such a collision some 8 times rarer. */
+static const uint16_t MASK16[256] = {
+#define M16(i)                                                                                    \
+    (uint16_t)((1u << ((i) & 15)) | (1u << (((i) + 3 + (((i) >> 4) & 3) * 2) & 15)) |            \
+               (1u << (((i) + 10 + (((i) >> 6) & 3)) & 15)))
+#define M16_4(i) M16(i), M16(i + 1), M16(i + 2), M16(i + 3)
+#define M16_32(i)                                                                                 \
+    M16_4(i), M16_4(i + 4), M16_4(i + 8), M16_4(i + 12), M16_4(i + 16), M16_4(i + 20),            \
+        M16_4(i + 24), M16_4(i + 28)
+    M16_32(0),   M16_32(32),  M16_32(64),  M16_32(96),
+    M16_32(128), M16_32(160), M16_32(192), M16_32(224),
+#undef M16_32
+#undef M16_4
+#undef M16
+};
+
 /* ------------------------------------------------------------------------------------------ */
 /* small helpers */
 
@@ -89,6 +114,13 @@ static inline uint32_t ld32(const uint8_t *p) {
     v = __builtin_bswap32(v);
 #endif
     return v;
+}
+
+/* Is the 4-gram at g (one of the literals' keys' 4-grams, maybe) in the filter? */
+static inline int b4_has(const uint16_t *b4, size_t b4_mask, const uint8_t *g) {
+    uint64_t h = (uint64_t)ld32(g) * K4;
+    uint16_t want = MASK16[h >> 56];
+    return (b4[(h >> 32) & b4_mask] & want) == want;
 }
 
 /* The first `len` (< 8) bytes as a little-endian number. */
@@ -143,6 +175,21 @@ static size_t find_zw(const uint8_t *r, size_t n) {
 __attribute__((target("avx2"))) static size_t find_zw_avx2(const uint8_t *r, size_t n) {
     const __m256i e2 = _mm256_set1_epi8((char)0xE2), ef = _mm256_set1_epi8((char)0xEF);
     size_t i = 0;
+    /* 64 bytes a step: one mask for both halves */
+    for (; i + 64 <= n; i += 64) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(r + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(r + i + 32));
+        uint64_t m = (uint32_t)_mm256_movemask_epi8(
+            _mm256_or_si256(_mm256_cmpeq_epi8(a, e2), _mm256_cmpeq_epi8(a, ef)));
+        m |= (uint64_t)(uint32_t)_mm256_movemask_epi8(
+                 _mm256_or_si256(_mm256_cmpeq_epi8(b, e2), _mm256_cmpeq_epi8(b, ef)))
+             << 32;
+        while (m) {
+            size_t j = i + (size_t)__builtin_ctzll(m);
+            if (j + 3 <= n && is_zw(r + j)) return j;
+            m &= m - 1;
+        }
+    }
     for (; i + 32 <= n; i += 32) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(r + i));
         uint32_t m = (uint32_t)_mm256_movemask_epi8(
@@ -279,7 +326,7 @@ struct scrub_tables {
     anch_t *anch;
     uint64_t *bloom8;
     unsigned b8_shift;
-    uint8_t *bloom4; /* byte-blocked: 2 bits of one byte per 4-gram */
+    uint16_t *bloom4; /* blocked: 3 bits of one 16-bit word per 4-gram (b4_has) */
     size_t b4_mask;
     uint64_t *pk; /* every key, big-endian, sorted: the tails of 8-byte keys */
     size_t npk;
@@ -308,6 +355,10 @@ struct scrub_tables {
     key3_t *k3;
     size_t k3_mask;
     uint32_t *k3_shapes;
+    /* ... and the same keys as bits of a 64 Kbit map (K3BITS_HASH): a test with no branch for
+     * the AVX2 loop's candidates, which mostly stop there (a few keys share a bit: the table
+     * decides) */
+    uint8_t *k3bits;
     /* the shapes by the lowercase first byte of their opening (shape_tail): t1_shapes[t1_first[b]
      * .. t1_first[b + 1]], in shape order */
     uint32_t t1_first[257];
@@ -318,7 +369,6 @@ struct scrub_tables {
      * lo[j][byte & 15] & hi[j][byte >> 4] keeps a bit of one bucket at all four offsets */
     int simd;
     uint8_t ted_lo[2][4][16], ted_hi[2][4][16];
-    uint8_t ted2_lo[2][4][16], ted2_hi[2][4][16]; /* a second grouping (build_teddy) */
 
     size_t footprint;
 };
@@ -348,6 +398,7 @@ void scrub_tables_free(scrub_tables *t) {
     free(t->gshapes);
     free(t->k3);
     free(t->k3_shapes);
+    free(t->k3bits);
     free(t->t1_shapes);
     free(t);
 }
@@ -475,11 +526,13 @@ static int build_literals(scrub_tables *t) {
     }
     /* filters and the sorted key list (tails) */
     t->bloom8 = bloom_new(t->nkeys, 32, &t->b8_shift, &t->footprint);
-    size_t b4_bytes = pow2_at_least(mul_add(t->nkeys, 8, 64));
-    if (b4_bytes > ((size_t)1 << 26)) b4_bytes = (size_t)1 << 26;
-    t->bloom4 = xcalloc(b4_bytes, 1);
-    t->b4_mask = b4_bytes - 1;
-    t->footprint += b4_bytes;
+    /* 64 bits per key, 13 per 4-gram; at most 2**24 words, so the word's index (hash bits 32..55)
+     * and its mask (56..63) do not share bits */
+    size_t b4_words = pow2_at_least(mul_add(t->nkeys, 4, 32));
+    if (b4_words > ((size_t)1 << 24)) b4_words = (size_t)1 << 24;
+    t->bloom4 = xcalloc(b4_words, sizeof(uint16_t));
+    t->b4_mask = b4_words - 1;
+    t->footprint += b4_words * sizeof(uint16_t);
     t->pk = xmalloc(t->nkeys, sizeof(uint64_t));
     if (!t->bloom8 || !t->bloom4 || !t->pk) return SCRUB_ENOMEM;
     t->footprint += t->nkeys * sizeof(uint64_t);
@@ -491,7 +544,7 @@ static int build_literals(scrub_tables *t) {
         bloom_add(t->bloom8, t->b8_shift, key * K8);
         for (int d = 0; d <= 4; d++) {
             uint64_t g = (uint64_t)ld32(bytes + d) * K4;
-            t->bloom4[(g >> 32) & t->b4_mask] |= MASK8[g >> 58];
+            t->bloom4[(g >> 32) & t->b4_mask] |= MASK16[g >> 56];
         }
         t->pk[t->npk++] = be_prefix(bytes, 8);
     }
@@ -615,6 +668,9 @@ static inline size_t key3_slot(uint32_t key, size_t mask) {
     return (size_t)((key * UINT32_C(0x9E3779B1)) >> 7) & mask;
 }
 
+/* The bit of scrub_tables.k3bits for a key. */
+#define K3BITS_HASH(key) ((uint32_t)((key) * UINT32_C(0x9E3779B1)) >> 16)
+
 static int cmp_u64v(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
@@ -664,12 +720,13 @@ static int build_key3(scrub_tables *t) {
     size_t size = pow2_at_least(2 * nkeys + 2);
     t->k3 = xcalloc(size, sizeof(key3_t));
     t->k3_shapes = xmalloc(npairs ? npairs : 1, sizeof(uint32_t));
-    if (!t->k3 || !t->k3_shapes) {
+    t->k3bits = xcalloc(65536 / 8, 1);
+    if (!t->k3 || !t->k3_shapes || !t->k3bits) {
         free(pairs);
         return SCRUB_ENOMEM;
     }
     t->k3_mask = size - 1;
-    t->footprint += size * sizeof(key3_t) + npairs * sizeof(uint32_t);
+    t->footprint += size * sizeof(key3_t) + npairs * sizeof(uint32_t) + 65536 / 8;
     for (size_t i = 0; i < npairs;) {
         uint32_t key = (uint32_t)(pairs[i] >> 16);
         size_t j = i;
@@ -677,6 +734,8 @@ static int build_key3(scrub_tables *t) {
             t->k3_shapes[j] = (uint32_t)(pairs[j] & 0xFFFF);
             j++;
         }
+        uint32_t bit = K3BITS_HASH(key);
+        t->k3bits[bit >> 3] |= (uint8_t)(1u << (bit & 7));
         size_t slot = key3_slot(key, t->k3_mask);
         while (t->k3[slot].key) slot = (slot + 1) & t->k3_mask;
         t->k3[slot].key = key + 1;
@@ -815,18 +874,11 @@ static size_t row_min(double (*extra)[TED_START], size_t nb, size_t a) {
  * that, arbitrary merges would make the filter let through most text: with 64 and the ~150
  * distinct openings of the default shapes it passed one position in 7 of source code), then
  * the two whose union lets through the least extra text merge, until 16 remain. */
-/* avoid: for each opening fingerprint (in the order they are met), the bucket the first filter
- * put it in; the second filter then keeps those apart (a merge of two buckets holding openings
- * the first filter merged costs AVOID more), so that what the first lets through by mixing two
- * openings, the second refuses. owner (out): each fingerprint's bucket. */
-#define AVOID 1e12
-static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t *owner,
-                      uint8_t lo_out[2][4][16], uint8_t hi_out[2][4][16]) {
+static void build_ted(scrub_tables *t, int shift, uint8_t lo_out[2][4][16],
+                      uint8_t hi_out[2][4][16]) {
     tbucket_t bk[TED_START];
     double cost[TED_START];
-    uint32_t amask[TED_START]; /* the first filter's buckets of a bucket's fingerprints */
-    size_t own[TED_START];     /* own[f]: the bucket fingerprint f is in now */
-    size_t nb = 0, nf = 0;
+    size_t nb = 0;
     for (size_t k = 0; k < t->nshapes; k++) {
         tbucket_t b;
         shape_bucket(t, &t->shapes[k], &b, shift);
@@ -834,8 +886,6 @@ static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t 
         while (i < nb && memcmp(&bk[i], &b, sizeof(b)) != 0) i++;
         if (i < nb) continue;
         if (nb < TED_START) {
-            amask[nb] = avoid ? 1u << avoid[nb] : 0;
-            own[nf++] = nb;
             bk[nb++] = b;
         } else {
             bucket_merge(&bk[k % TED_START], &b);
@@ -845,7 +895,6 @@ static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t 
     double(*extra)[TED_START] = w ? malloc(sizeof(double) * TED_START * TED_START) : NULL;
     if (!extra) { /* no memory: a coarser filter, still letting every shape through */
         for (size_t i = TED_BUCKETS; i < nb; i++) bucket_merge(&bk[i % TED_BUCKETS], &bk[i]);
-        for (size_t f = 0; f < nf; f++) own[f] %= TED_BUCKETS;
         if (nb > TED_BUCKETS) nb = TED_BUCKETS;
     } else {
         weight_table(w);
@@ -859,7 +908,7 @@ static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t 
             tbucket_t u = bk[a];
             bucket_merge(&u, &bk[b]);
             extra[a][b] = extra[b][a] =
-                bucket_cost(&u, w) - cost[a] - cost[b] + ((amask[a] & amask[b]) ? AVOID : 0.0);
+                bucket_cost(&u, w) - cost[a] - cost[b];
         }
     }
     /* rmin[a]: a partner b of a with, as far as is known, the least extra[a][b]: never more than
@@ -893,17 +942,11 @@ static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t 
         size_t last = nb - 1;
         bucket_merge(&bk[best_a], &bk[best_b]);
         cost[best_a] = bucket_cost(&bk[best_a], w);
-        amask[best_a] |= amask[best_b];
         /* the last bucket takes best_b's place, with its row of the matrix */
         bk[best_b] = bk[last];
         cost[best_b] = cost[last];
-        amask[best_b] = amask[last];
         rmin[best_b] = rmin[last];
         rval[best_b] = rval[last];
-        for (size_t f = 0; f < nf; f++) {
-            if (own[f] == best_b) own[f] = best_a;
-            if (own[f] == last) own[f] = best_b;
-        }
         for (size_t i = 0; i < last; i++) {
             if (i != best_b) extra[i][best_b] = extra[best_b][i] = extra[i][last];
         }
@@ -912,8 +955,7 @@ static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t 
             if (i == best_a) continue;
             tbucket_t u = bk[best_a];
             bucket_merge(&u, &bk[i]);
-            extra[i][best_a] = extra[best_a][i] = bucket_cost(&u, w) - cost[best_a] - cost[i] +
-                                                  ((amask[best_a] & amask[i]) ? AVOID : 0.0);
+            extra[i][best_a] = extra[best_a][i] = bucket_cost(&u, w) - cost[best_a] - cost[i];
         }
         rmin[best_a] = row_min(extra, nb, best_a);
         rval[best_a] = extra[best_a][rmin[best_a]];
@@ -931,7 +973,6 @@ static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t 
     }
     free(extra);
     free(w);
-    for (size_t f = 0; owner && f < nf; f++) owner[f] = (uint8_t)own[f];
     memset(lo_out, 0, 2 * 4 * 16);
     memset(hi_out, 0, 2 * 4 * 16);
     for (size_t i = 0; i < nb; i++) {
@@ -945,16 +986,13 @@ static void build_ted(scrub_tables *t, int shift, const uint8_t *avoid, uint8_t 
     }
 }
 
-/* Two nibble filters on the bytes at offsets 0..3 of a match, the second for the positions the
- * first lets through. With a hundred and more distinct shape openings, 16 buckets merge openings
- * so far apart that the first alone let through one position in 20 of prose; the second groups
- * the openings otherwise (build_ted's avoid), so a string that passes the first by taking bytes
- * of two openings it merged does not pass the second (a third on offsets 1..4 cut source code's
- * candidates by a further 45 % but cost a third table build). */
+/* The nibble filter on the bytes at offsets 0..3 of a match. With the ~200 distinct openings of
+ * the default shapes it lets through about one position in 50 of prose and code; those go on to
+ * k3bits (fast_avx2). A second nibble filter, grouping the openings otherwise, halved that, but
+ * computed in the loop it cost more than the candidates it saved, and on the branch taken when
+ * the first let a position through it cost more again (mispredictions). */
 static void build_teddy(scrub_tables *t, int simd) {
-    uint8_t first[TED_START];
-    build_ted(t, 0, NULL, first, t->ted_lo, t->ted_hi);
-    build_ted(t, 0, first, NULL, t->ted2_lo, t->ted2_hi);
+    build_ted(t, 0, t->ted_lo, t->ted_hi);
 #if defined(SCRUB_AVX2)
     __builtin_cpu_init();
     t->simd = simd && t->nshapes > 0 && __builtin_cpu_supports("avx2");
@@ -1216,6 +1254,10 @@ struct scrub_work {
     size_t zcap;
     uint8_t *capped; /* the input after the zero-width cap, when the cap changed it */
     size_t capped_cap;
+    uint8_t *join; /* a stream's pending tail, then the first piece of its new input (scrub_feed's
+                      phase 1): here rather than in the stream, so an idle stream holds only
+                      its tail */
+    size_t join_cap;
 };
 
 typedef struct {
@@ -1251,6 +1293,9 @@ static void work_release(scrub_work *w) {
     free(w->capped);
     w->capped = NULL;
     w->capped_cap = 0;
+    free(w->join);
+    w->join = NULL;
+    w->join_cap = 0;
     w->out = w->skel = w->stopped = NULL;
     w->recs = NULL;
     w->ms = NULL;
@@ -1276,7 +1321,7 @@ void scrub_work_trim(scrub_work *w) {
 size_t scrub_work_footprint(const scrub_work *w) {
     return sizeof(*w) + w->out_cap + w->rcap * sizeof(rec_t) + w->mcap * sizeof(smatch_t) +
            w->scap * (sizeof(int64_t) + 1) + w->bcap * 2 * sizeof(int64_t) +
-           w->zcap * (1 + sizeof(uint32_t)) + w->capped_cap;
+           w->zcap * (1 + sizeof(uint32_t)) + w->capped_cap + w->join_cap;
 }
 
 /* Per-shape arrays for these tables; the output buffer emptied (and given back when the last
@@ -1289,6 +1334,11 @@ static int work_prepare(scrub_work *w, const scrub_tables *t, const uint8_t *in,
         free(w->out);
         w->out = NULL;
         w->out_cap = 0;
+    }
+    if (w->join_cap > WORK_KEEP && w->join_cap / 4 > len) {
+        free(w->join);
+        w->join = NULL;
+        w->join_cap = 0;
     }
     if (w->zcap > WORK_KEEP && w->zcap / 4 > len) {
         free(w->skel);
@@ -1882,7 +1932,8 @@ static __attribute__((noinline)) void shape_at_key(scan_t *c, size_t p) {
     }
 }
 
-/* The TRI lanes first, inline (most candidates of the nibble filter stop there). */
+/* The TRI lanes first, inline (most positions stop there): the portable loops and the positions
+ * at the end of a buffer that the AVX2 loop leaves. */
 static inline __attribute__((always_inline)) void shape_at(scan_t *c, size_t p) {
     const uint64_t *tri = c->t->tri;
     const uint8_t *s = c->S + p;
@@ -1906,9 +1957,7 @@ static void shape_tail(scan_t *c, size_t p) {
 }
 
 static inline int lit_filter(const scrub_tables *t, const uint8_t *gram4) {
-    uint64_t g = (uint64_t)ld32(gram4) * K4;
-    uint8_t m = MASK8[g >> 58];
-    return (t->bloom4[(g >> 32) & t->b4_mask] & m) == m;
+    return b4_has(t->bloom4, t->b4_mask, gram4);
 }
 
 /* A block the fast loop flagged: positions p0..p0+4, p0 + 8 <= n. */
@@ -1930,7 +1979,7 @@ static inline __attribute__((always_inline)) size_t fast_blocks(scan_t *c, int l
     const uint8_t *S = c->S;
     size_t n = c->n;
     if (n < WINDOW) return 0;
-    const uint8_t *b4 = t->bloom4;
+    const uint16_t *b4 = t->bloom4;
     const size_t b4_mask = t->b4_mask;
     const uint64_t *tri = t->tri;
     size_t p0 = 0;
@@ -1942,12 +1991,7 @@ static inline __attribute__((always_inline)) size_t fast_blocks(scan_t *c, int l
     for (; p0 + WINDOW <= n; p0 += 5) {
         const uint8_t *q = S + p0;
         uint64_t hit = 0;
-        if (lits) {
-            uint64_t g = (uint64_t)ld32(q + 4) * K4;
-            uint8_t m = MASK8[g >> 58];
-            hit = (b4[(g >> 32) & b4_mask] & m) ^ m;
-            hit = !hit;
-        }
+        if (lits) hit = (uint64_t)b4_has(b4, b4_mask, q + 4);
         if (shapes) {
             uint64_t e2 = tri[q[2]], e3 = tri[q[3]], e4 = tri[q[4]], e5 = tri[q[5]],
                      e6 = tri[q[6]];
@@ -1970,38 +2014,36 @@ static inline __attribute__((always_inline)) size_t fast_blocks(scan_t *c, int l
 }
 
 #if defined(SCRUB_AVX2)
-/* The loop with AVX2, shapes and literals in one pass: per 32 positions, the shapes' nibble
- * filter (then shape_at, exact, at each candidate) and the literals' 4-gram probes whose blocks
- * begin there (block [lb, lb + 5) is probed at lb + 4, as in fast_blocks). Returns the first
- * position whose shapes are not covered; *lit_next: the first literal position not covered. */
-/* A nibble filter's mask for the 32 positions at q (tables from memory: the rare path). */
-__attribute__((target("avx2"))) static inline uint32_t ted_mask(const uint8_t lo_t[2][4][16],
-                                                                const uint8_t hi_t[2][4][16],
-                                                                const uint8_t *q) {
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m256i qa = _mm256_set1_epi8(-1), qb = qa;
-    for (int j = 0; j < 4; j++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + j));
-        __m256i l = _mm256_and_si256(v, nib);
-        __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        __m256i l0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo_t[0][j]));
-        __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi_t[0][j]));
-        __m256i l1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo_t[1][j]));
-        __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi_t[1][j]));
-        qa = _mm256_and_si256(qa, _mm256_and_si256(_mm256_shuffle_epi8(l0, l),
-                                                   _mm256_shuffle_epi8(h0, h)));
-        qb = _mm256_and_si256(qb, _mm256_and_si256(_mm256_shuffle_epi8(l1, l),
-                                                   _mm256_shuffle_epi8(h1, h)));
+/* The AVX2 loop's shape candidates, in position order: those whose three bytes are a key of
+ * k3bits go on to shape_at_key (exact). Kept without a branch per candidate: the candidates are
+ * many (about one position in 50 of prose and code) and whether one passes is a coin toss to the
+ * branch predictor; branching on them in the loop cost more than the filter itself. */
+#define CAND_MAX 256
+
+static void shape_cands(scan_t *c, uint32_t *cand, size_t nc) {
+    const uint8_t *bits = c->t->k3bits;
+    const uint8_t *S = c->S;
+    size_t k = 0;
+    for (size_t i = 0; i < nc; i++) {
+        uint32_t q = cand[i];
+        uint32_t h = K3BITS_HASH(key3_of(S + q));
+        cand[k] = q;
+        k += (bits[h >> 3] >> (h & 7)) & 1;
     }
-    return ~(uint32_t)_mm256_movemask_epi8(
-        _mm256_cmpeq_epi8(_mm256_or_si256(qa, qb), _mm256_setzero_si256()));
+    for (size_t i = 0; i < k && !c->err; i++) shape_at_key(c, cand[i]);
 }
 
+/* The loop with AVX2, shapes and literals in one pass: per 32 positions, the shapes' nibble
+ * filter ("Teddy", 16 buckets) and the literals' 4-gram probes whose blocks begin there (block
+ * [lb, lb + 5) is probed at lb + 4, as in fast_blocks). The filter's candidates are queued
+ * (cand) and go through shape_cands every CAND_MAX or so, in order: nothing in the loop
+ * branches on them. Returns the first position whose shapes are not covered; *lit_next: the
+ * first literal position not covered. */
 __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, size_t *lit_next) {
     const scrub_tables *t = c->t;
     const uint8_t *S = c->S;
     const size_t n = c->n;
-    const uint8_t *b4 = t->bloom4;
+    const uint16_t *b4 = t->bloom4;
     const size_t b4_mask = t->b4_mask;
     const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     __m256i lo[2][4], hi[2][4];
@@ -2013,6 +2055,9 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
                 _mm_loadu_si128((const __m128i *)(const void *)t->ted_hi[s][j]));
         }
     }
+    /* room for a whole mask past CAND_MAX: the queue is emptied once it holds more */
+    uint32_t cand[CAND_MAX + 32];
+    size_t nc = 0;
     size_t p = 0, lb = 0;
     for (; p + 35 <= n; p += 32) {
         __m256i ra = _mm256_set1_epi8(-1), rb = ra;
@@ -2027,27 +2072,34 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
         }
         uint32_t m = ~(uint32_t)_mm256_movemask_epi8(
             _mm256_cmpeq_epi8(_mm256_or_si256(ra, rb), zero));
+        /* the first two candidates with no branch (a mask seldom has more: writing four this
+         * way cost more than the branch to the loop below); when m runs out, the entry written
+         * is p + 31, not counted */
+        for (int r = 0; r < 2; r++) {
+            cand[nc] = (uint32_t)(p + (size_t)__builtin_ctz(m | UINT32_C(0x80000000)));
+            nc += m != 0;
+            m &= m - 1;
+        }
+        while (__builtin_expect(m != 0, 0)) {
+            cand[nc++] = (uint32_t)(p + (size_t)__builtin_ctz(m));
+            m &= m - 1;
+        }
         if (lits) {
             /* the blocks beginning before p + 32 that have their 8 bytes (the last ones may
              * not: they wait for the loop after this one) */
             for (; lb < p + 32 && lb + WINDOW <= n; lb += 5) {
-                uint64_t g = (uint64_t)ld32(S + lb + 4) * K4;
-                uint8_t want = MASK8[g >> 58];
-                if (__builtin_expect((b4[(g >> 32) & b4_mask] & want) == want, 0)) {
+                if (__builtin_expect(b4_has(b4, b4_mask, S + lb + 4), 0)) {
                     for (size_t q = lb; q <= lb + 4 && q + WINDOW <= n; q++) lit8_at(c, q);
                 }
             }
         }
-        if (__builtin_expect(m != 0, 0)) {
-            /* the second filter (its tables from memory: the rare path) */
-            m &= ted_mask(t->ted2_lo, t->ted2_hi, S + p);
-            while (m) {
-                shape_at(c, p + (size_t)__builtin_ctz(m));
-                m &= m - 1;
-            }
+        if (__builtin_expect(nc > CAND_MAX, 0)) {
+            shape_cands(c, cand, nc);
+            nc = 0;
         }
         if (c->err) return n;
     }
+    shape_cands(c, cand, nc);
     /* the literal blocks that still have their 8 bytes */
     for (; lits && lb + WINDOW <= n && !c->err; lb += 5) {
         if (lit_filter(t, S + lb + 4)) {
@@ -2115,9 +2167,10 @@ static int cmp_rec(const void *a, const void *b) {
 static const uint8_t MARK_OPEN[] = "[REDACTED:";
 
 /* One ReferenceStream._advance over raw (the pending tail, then new input). Writes the released
- * output and sets *cut: raw[*cut:] stays pending. */
+ * output and sets *cut: raw[*cut:] stays pending. raw[clean:] is known to hold no zero-width
+ * character (clean = rawlen: nothing is known). */
 static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t rawlen, int eof,
-                   size_t *cut) {
+                   size_t clean, size_t *cut) {
     const scrub_tables *t = st->t;
     if (rawlen > (size_t)UINT32_MAX - 8) return SCRUB_ETOOBIG;
     /* split: a zero-width character cut by the end of the chunk waits for the next one */
@@ -2132,11 +2185,14 @@ static int advance(scrub_stream *st, scrub_work *sc, const uint8_t *raw, size_t 
         }
     }
     size_t lim = rawlen - held;
+    /* a zero-width character beginning before `clean` ends by clean + 2 */
+    size_t zlim = clean + 2 < lim ? clean + 2 : lim;
 #if defined(SCRUB_AVX2)
-    size_t z = t->simd ? find_zw_avx2(raw, lim) : find_zw(raw, lim);
+    size_t z = t->simd ? find_zw_avx2(raw, zlim) : find_zw(raw, zlim);
 #else
-    size_t z = find_zw(raw, lim);
+    size_t z = find_zw(raw, zlim);
 #endif
+    if (z == zlim) z = lim;
     const uint8_t *S = raw;
     const uint32_t *soff = NULL;
     size_t n = lim;
@@ -2341,6 +2397,9 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
     if (len == 0 && !eof) goto done;
     const uint8_t *given = in;
     if ((rc = zw_cap(st, w, &in, &len, eof))) goto fail;
+    /* zw_cap leaves the input as it is only when it holds no zero-width character: then
+     * neither does any part of it, and advance looks for one only in the pending tail */
+    const int zw_free = in == given;
     if ((rc = work_prepare(w, st->t, in, len))) goto fail;
     if (len == 0 && !eof) goto done; /* all of it carried */
     if (st->pend_len == 0 && len == 0) {
@@ -2369,12 +2428,13 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
         if (take > cap) take = cap;
         int last = pos + take == len;
         size_t old = st->pend_len, rawlen = old + take;
-        if ((rc = grow(&st->pend, &st->pend_cap, rawlen))) goto fail;
-        if (take) memcpy(st->pend + old, in + pos, take);
-        st->pend_len = rawlen;
+        if ((rc = grow(&w->join, &w->join_cap, rawlen))) goto fail;
+        memcpy(w->join, st->pend, old);
+        if (take) memcpy(w->join + old, in + pos, take);
         w->raw_mirror = old;
         w->in_base = pos;
-        if ((rc = advance(st, w, st->pend, rawlen, eof && last, &cut))) goto fail;
+        if ((rc = advance(st, w, w->join, rawlen, eof && last, zw_free ? old : rawlen, &cut)))
+            goto fail;
         pos += take;
         if (eof && last) {
             st->pend_len = 0;
@@ -2384,7 +2444,8 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
             st->pend_len = 0;
             in_place = 1;
         } else {
-            memmove(st->pend, st->pend + cut, rawlen - cut);
+            if ((rc = grow(&st->pend, &st->pend_cap, rawlen - cut))) goto fail;
+            memcpy(st->pend, w->join + cut, rawlen - cut);
             st->pend_len = rawlen - cut;
             if (last) finished = 1;
         }
@@ -2396,7 +2457,9 @@ int scrub_feed(scrub_stream *st, scrub_work *w, const char *in_, size_t len, int
             int last = pos + take == len;
             w->raw_mirror = 0;
             w->in_base = pstart;
-            if ((rc = advance(st, w, in + pstart, pos + take - pstart, eof && last, &cut)))
+            size_t rawlen = pos + take - pstart;
+            if ((rc = advance(st, w, in + pstart, rawlen, eof && last, zw_free ? 0 : rawlen,
+                              &cut)))
                 goto fail;
             pstart += cut;
             pos += take;
