@@ -116,6 +116,12 @@ def test_request_head_origin_and_absolute_form() -> None:
         b"GET http://example.com/a?b HTTP/1.1\r\nhost: example.com\r\n"
         b"cookie: a=1; b=2\r\nte: trailers\r\nconnection: close\r\n\r\n"
     )
+    # Inside a terminated tunnel: origin-form whatever the :authority (the exchange holds the
+    # Host it becomes to the tunnel's host).
+    tls = http2.RequestReceived(5, b"GET", b"https", b"other.test:443", b"/x", (), True)
+    assert http2.request_head(tls, "10.0.0.1", origin_form=True) == (
+        b"GET /x HTTP/1.1\r\nhost: other.test:443\r\nte: trailers\r\nconnection: close\r\n\r\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -304,16 +304,17 @@ def test_domain_fronting_inside_the_tunnel_is_refused(
     assert not provider.received
 
 
-def test_alpn_offers_http1_only(
+def test_alpn_offers_h2_and_http1(
     terminating: RunningProxy, provider: FakeServer, crew_ca_file: str
 ) -> None:
+    # HTTP/2 inside the tunnel: tests/test_proxy_terminate_h2.py.
     with socket.create_connection(("127.0.0.1", terminating.port), timeout=10) as sock:
         sock.sendall(b"CONNECT %s:%d HTTP/1.1\r\nHost: x\r\n\r\n" % (HOST.encode(), provider.port))
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
         context = ssl.create_default_context(cafile=crew_ca_file)
         context.set_alpn_protocols(["h2", "http/1.1"])
         with context.wrap_socket(sock, server_hostname=HOST) as tls:
-            assert tls.selected_alpn_protocol() == "http/1.1"
+            assert tls.selected_alpn_protocol() == "h2"
             assert tls.version() in ("TLSv1.2", "TLSv1.3")
 
 

@@ -331,7 +331,15 @@ class ClientConnection:
             return await serve_keeper(self, plan, head)
         if isinstance(plan, TerminateTunnel):
             # True: the requests inside are read next, by this same loop.
-            return await serve_terminated(self, plan)
+            if not await serve_terminated(self, plan):
+                return False
+            assert self.terminated is not None
+            if self.terminated.stream.tls.selected_alpn_protocol() == "h2":
+                # The agent chose HTTP/2 (ALPN): the rest of the tunnel is one HTTP/2
+                # connection, its streams planned against the tunnel as these requests are.
+                await serve_http2(self)
+                return False
+            return True
         assert isinstance(plan, OpenTunnel)
         await serve_tunnel(self, plan)
         return False

@@ -3,15 +3,18 @@
 Theory of operation
 -------------------
 `proxycore/io/connection.py` hands a connection over here when it opens with the HTTP/2 client
-preface (prior knowledge, RFC 9113 3.3). `H2Session` then owns the socket: one task reads it
-and feeds the sans-IO `H2Server` (proxycore/protocol/http2), which enforces the connection's
-limits (an attack ends the connection with GOAWAY and a `request_refused` event, route
-"connection", naming the rule); every write goes through one lock, so its queued frames go out
-in order and never piles up: a stream queues one frame and writes it before the next. The
-frames that end a response (its last DATA, or a head with END_STREAM) are only queued and the
-writer task is woken: it writes everything the streams queued in the same scheduling round
-with one send (one syscall for many streams), unless more than `BATCH_BYTES` are queued, when
-the stream writes them itself and so waits for the client (backpressure, as before).
+preface (prior knowledge, RFC 9113 3.3), and a terminated CONNECT tunnel whose agent selected
+ALPN h2 (proxycore/io/terminate.py): then the session reads and writes the tunnel's TLS, and
+every stream is planned against the tunnel's (host, port) as an HTTP/1.1 request in it is.
+`H2Session` then owns the socket: one task reads it and feeds the sans-IO `H2Server`
+(proxycore/protocol/http2), which enforces the connection's limits (an attack ends the
+connection with GOAWAY and a `request_refused` event, route "connection", naming the rule);
+every write goes through one lock, so its queued frames go out in order and never piles up: a
+stream queues one frame and writes it before the next. The frames that end a response (its last
+DATA, or a head with END_STREAM) are only queued and the writer task is woken: it writes
+everything the streams queued in the same scheduling round with one send (one syscall for many
+streams), unless more than `BATCH_BYTES` are queued, when the stream writes them itself and so
+waits for the client (backpressure, as before).
 
 Each stream is served by its own `ClientConnection` (the same class as an HTTP/1.1 connection)
 over a `StreamPipe` (proxycore/io/h2_stream.py): its input is the stream's request written as an
@@ -46,6 +49,7 @@ from proxycore.errors import Http2ConnectionError
 from proxycore.io.h2_stream import StreamPipe
 from proxycore.io.h2_writer import OrderedWriter
 from proxycore.io.progress import RECV_SIZE
+from proxycore.io.terminate import TerminatedStream
 from proxycore.io.websocket_h2 import WebSocketPipe, stream_head
 from proxycore.protocol import http1
 from proxycore.protocol.events import RequestRefused
@@ -158,6 +162,13 @@ class H2Session(OrderedWriter):
         self.runtime = conn.runtime
         self.crew = conn.crew
         self.sock = conn.stream
+        # Inside a terminated tunnel (ALPN h2): the agent's TLS, written through
+        # `send_nowait`/`send_records` (the frames are encrypted first), and every stream is
+        # planned as a request to the tunnel's (host, port), its target in origin-form.
+        self.tls = conn.stream if isinstance(conn.stream, TerminatedStream) else None
+        self.tunnel = conn.tunnel
+        if self.tls is not None:
+            self.tls.writer_flushes = True
         self.limits = h2_limits(conn.limits)
         self.server = H2Server(self.limits)
         self.pipes: dict[int, StreamPipe] = {}
@@ -295,6 +306,15 @@ class H2Session(OrderedWriter):
         if self.dead:
             raise trio.BrokenResourceError("the connection is broken")
         data = self.server.data_to_send()
+        tls = self.tls
+        if tls is not None:
+            if not data and not tls.records_waiting:
+                return b""
+            try:
+                return tls.send_nowait(data)
+            except trio.BrokenResourceError:
+                self._die()
+                raise
         if not data:
             return b""
         try:
@@ -314,7 +334,10 @@ class H2Session(OrderedWriter):
         with trio.CancelScope(shield=True):
             with trio.move_on_after(self.conn.limits.read_timeout) as scope:
                 try:
-                    await self.sock.send_all(data)
+                    if self.tls is not None:
+                        await self.tls.send_records(data)  # already encrypted
+                    else:
+                        await self.sock.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     self._die()
                     raise
@@ -325,8 +348,9 @@ class H2Session(OrderedWriter):
     def _die(self) -> None:
         """Writing failed: end the reader too (it sees EOF) and every stream with it."""
         self.dead = True
+        raw = self.tls.plain.sock if self.tls is not None else self.sock.sock
         try:
-            self.sock.sock.shutdown(socket.SHUT_RDWR)
+            raw.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -388,7 +412,7 @@ class H2Session(OrderedWriter):
             )
         else:
             try:
-                head = write_head(event, crew.gateway)
+                head = write_head(event, crew.gateway, origin_form=self.tunnel is not None)
             except MessageRefused as exc:
                 request = Request(crew.name, crew.mode, method=method)
                 refusal = request.refused(exc.status, exc.error, exc.message, close=False)
@@ -432,6 +456,7 @@ class H2Session(OrderedWriter):
                 return
             conn = type(self.conn)(self.runtime, pipe, self.crew)
             conn.pipe = pipe
+            conn.tunnel = self.tunnel
             pipe.exchange = conn
             await conn.run()
         finally:

@@ -12,8 +12,10 @@ disk, so it is written to an anonymous memory file (`memfd_create`) and loaded t
 /proc/self/fd: the kernel lets a process open its own descriptors there even when it is not
 dumpable and runs under another UID, which is the case after the privilege drop.
 
-Every context: TLS 1.2 or later; ALPN offers "http/1.1" only, honestly: what the terminated
-tunnel speaks (HTTP/2 inside a tunnel is not served); OpenSSL's default server ciphers.
+Every context: TLS 1.2 or later; ALPN offers "h2" and "http/1.1", honestly: what the terminated
+tunnel speaks (an agent that selects h2 gets the proxy's HTTP/2 session, proxycore/io/http2.py;
+one that selects http/1.1, or offers no ALPN, the HTTP/1.1 request loop); OpenSSL's default
+server ciphers.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from proxycore.protocol.policy import normalize_host
 
 __all__ = ["MAX_LEAVES", "LeafError", "leaf_context", "load_leaves", "read_leaf_files"]
 
-ALPN = ("http/1.1",)
+# The server picks by its own order when the client offers both: HTTP/2 first.
+ALPN = ("h2", "http/1.1")
 
 
 class LeafError(ValueError):

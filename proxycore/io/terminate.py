@@ -14,8 +14,13 @@ head (often its ClientHello) are already in the connection's buffer and are fed 
 they are; and the socket stays owned by one object (a trio `SocketStream` over it would be a
 second owner of the descriptor). `TerminatedStream` subclasses `PlainStream` as
 proxycore/io/h2_stream.py's `StreamPipe` does, so every adapter takes it unchanged; it never sets
-`sock`, so the opaque tunnel and HTTP/2 paths, which need a socket, fail loudly on it rather than
-write plain text past the TLS layer (neither can be planned inside a tunnel anyway).
+`sock`, so a path that writes to the socket directly fails loudly on it rather than write plain
+text past the TLS layer (the opaque tunnel cannot be planned inside a tunnel anyway).
+
+ALPN h2 (the leaf contexts offer h2 and http/1.1, proxycore/io/leaves.py): the connection hands
+the tunnel to the HTTP/2 session (proxycore/io/http2.py), whose fast write path is the one
+place that needs the socket: it uses `send_nowait` (encrypt, then a non-blocking send of the
+records) and `send_records` (the rest, under its write lock) instead.
 
 Failures of the handshake end the tunnel with `tunnel_closed` naming the host and a cause:
 `agent_rejected_certificate` (the agent's TLS refused our leaf with an alert: a pinned client,
@@ -71,7 +76,7 @@ class TerminatedStream(PlainStream):
     """
 
     __slots__ = ("_closing", "_incoming", "_outgoing", "_unsent", "bytes_down", "bytes_up",
-                 "plain", "tls")  # fmt: skip
+                 "plain", "tls", "writer_flushes")  # fmt: skip
 
     def __init__(self, plain: PlainStream, context: ssl.SSLContext, prefix: bytes) -> None:
         # No socket of its own (PlainStream's __init__ is not called): every method is
@@ -84,6 +89,11 @@ class TerminatedStream(PlainStream):
         # cannot await: sent before the next operation that can.
         self._unsent = b""
         self._closing = False
+        # Set when an HTTP/2 session serves the tunnel: its reads and writes run in different
+        # tasks, and a read that sent the records it produced could put them in the middle of a
+        # record a write has half sent. Those records then wait for the session's next write
+        # (`send_nowait`), which follows every read that gave anything.
+        self.writer_flushes = False
         # Bytes on the wire, agent -> proxy and proxy -> agent (as an opaque tunnel counts).
         self.bytes_up = len(prefix)
         self.bytes_down = 0
@@ -154,13 +164,14 @@ class TerminatedStream(PlainStream):
     async def receive(self, max_bytes: int) -> bytes:
         if self._closing:
             return await self.plain.receive(max_bytes)
-        if self._unsent:
+        flush = not self.writer_flushes
+        if self._unsent and flush:
             await self._flush()
         while True:
             # Records already received come first: waiting on the socket for them would hang.
             data = self._decrypted(max_bytes)
             if data is not None:
-                if self._unsent:
+                if self._unsent and flush:
                     await self._flush()
                 return data
             self._feed(await self.plain.receive(RECV_SIZE))
@@ -178,6 +189,40 @@ class TerminatedStream(PlainStream):
             raise trio.BrokenResourceError(f"agent TLS: {exc.reason or exc}") from None
         if self._unsent:
             await self._flush()
+
+    @property
+    def records_waiting(self) -> bool:
+        """Records a read produced are waiting for `send_nowait` (see `writer_flushes`)."""
+        return bool(self._unsent)
+
+    def send_nowait(self, data: bytes) -> bytes:
+        """Encrypt `data` and hand the records, after any a read produced, to the kernel without
+        waiting; returns the records it did not take, for `send_records`. For a writer that
+        never calls this while records it returned are still unsent (H2Session's lock), so the
+        records go out in the order they were made."""
+        view = memoryview(data)
+        try:
+            for start in range(0, len(view), WRITE_CHUNK):
+                self.tls.write(view[start : start + WRITE_CHUNK])
+        except ssl.SSLError as exc:
+            raise trio.BrokenResourceError(f"agent TLS: {exc.reason or exc}") from None
+        records = self._unsent + self._outgoing.read()
+        self._unsent = b""
+        if not records:
+            return b""
+        try:
+            sent = self.plain.sock.send(records)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(str(exc)) from None
+        self.bytes_down += sent
+        return records[sent:]
+
+    async def send_records(self, records: bytes) -> None:
+        """Write records `send_nowait` returned, waiting for the agent."""
+        await self.plain.send_all(records)
+        self.bytes_down += len(records)
 
     def shutdown_write(self) -> None:
         """close_notify (best effort: one non-blocking send of a short record), then the TCP

@@ -59,10 +59,11 @@ __all__ = ["WebSocketPipe", "stream_head"]
 _SWITCH_DROP = frozenset({b"sec-websocket-accept"})
 
 
-def stream_head(request: RequestReceived, gateway: str) -> bytes:
+def stream_head(request: RequestReceived, gateway: str, *, origin_form: bool = False) -> bytes:
     """The HTTP/1.1 handshake for an extended CONNECT stream, with a fresh key (RFC 6455 4.1:
     16 random bytes, base64). Raises MessageRefused."""
-    return websocket_head(request, gateway, base64.b64encode(os.urandom(16)))
+    key = base64.b64encode(os.urandom(16))
+    return websocket_head(request, gateway, key, origin_form=origin_form)
 
 
 class WebSocketPipe(StreamPipe):

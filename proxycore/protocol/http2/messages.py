@@ -11,8 +11,10 @@ here, once): anything else refuses the stream (`MessageRefused`, 400).
 The request target: a request to the proxy itself (its :authority is the gateway address the
 connection arrived on) is origin-form (the reverse routes, the local API); any other authority
 is a proxy request in absolute-form (`http://authority/path`), as an HTTP/1.1 client writes it
-to a proxy. CONNECT (RFC 9113 8.5) is refused here: tunnels over a stream are not served yet;
-extended CONNECT for WebSocket (RFC 8441) is written by websocket.py, through this function.
+to a proxy. Inside a terminated CONNECT tunnel (HTTP/2 over the agent's TLS, ALPN h2) every
+target is origin-form, as an HTTP/1.1 request inside one must be. CONNECT (RFC 9113 8.5) is
+refused here: tunnels over a stream are not served yet; extended CONNECT for WebSocket (RFC
+8441) is written by websocket.py, through this function.
 
 A request with a body and no content-length is written chunked (the exchange re-frames it
 anyway); "connection: close" makes each stream one exchange.
@@ -75,8 +77,11 @@ def _is_own(authority: bytes, gateway: str) -> bool:
         return False
 
 
-def request_head(request: RequestReceived, gateway: str) -> bytes:
-    """The stream's request as an HTTP/1.1 head (see the module docstring)."""
+def request_head(request: RequestReceived, gateway: str, *, origin_form: bool = False) -> bytes:
+    """The stream's request as an HTTP/1.1 head (see the module docstring). `origin_form`: the
+    stream is inside a terminated tunnel, whose authority is the tunnel's whatever the stream
+    names: the target is the path, and :authority is only the head's Host (which the exchange
+    holds to the tunnel's host)."""
     if request.malformed:
         raise MessageRefused(400, "bad_request", f"malformed HTTP/2 request: {request.malformed}")
     method = request.method
@@ -94,7 +99,7 @@ def request_head(request: RequestReceived, gateway: str) -> bytes:
         raise MessageRefused(400, "bad_request", "bad :path")
     if not authority or not _TARGET_RE.fullmatch(authority) or b"@" in authority:
         raise MessageRefused(400, "bad_request", "bad or missing :authority")
-    if _is_own(authority, gateway):
+    if origin_form or _is_own(authority, gateway):
         target = path
     else:
         scheme = request.scheme.lower() or b"http"

@@ -46,10 +46,13 @@ def is_extended_connect(request: RequestReceived) -> bool:
     return request.method == b"CONNECT" and bool(request.protocol)
 
 
-def websocket_head(request: RequestReceived, gateway: str, key: bytes) -> bytes:
+def websocket_head(
+    request: RequestReceived, gateway: str, key: bytes, *, origin_form: bool = False
+) -> bytes:
     """The stream's extended CONNECT as the HTTP/1.1 WebSocket handshake (see the module
     docstring); `key` is the Sec-WebSocket-Key to send upstream (base64 of 16 bytes).
-    Raises MessageRefused (400, 501) with the status the stream is answered."""
+    Raises MessageRefused (400, 501) with the status the stream is answered. `origin_form`: as
+    `request_head`'s (inside a terminated tunnel)."""
     if request.malformed:
         raise MessageRefused(400, "bad_request", f"malformed HTTP/2 request: {request.malformed}")
     if request.protocol.lower() != WEBSOCKET_PROTOCOL:
@@ -68,7 +71,7 @@ def websocket_head(request: RequestReceived, gateway: str, key: bytes) -> bytes:
         ended=True,  # a handshake has no body; a content-length the agent sent stays (400)
         headers=(*headers, (b"sec-websocket-key", key)),
     )
-    head = request_head(as_get, gateway)
+    head = request_head(as_get, gateway, origin_form=origin_form)
     if not head.endswith(_CLOSE):  # request_head ends every head so: never, but never guessed
         raise MessageRefused(500, "internal_error", "the handshake could not be written")
     return head[: -len(_CLOSE)] + _UPGRADE
