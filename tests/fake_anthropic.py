@@ -9,6 +9,10 @@ It answers what Claude Code and `curl` send, and nothing else:
   `content_block_stop`, `message_delta`, `message_stop`) in chunked framing;
 - `POST /v1/messages`: 200, one JSON message;
 - `POST /v1/messages/count_tokens`: 200 `{"input_tokens": 12}`;
+- `POST /v1/chat/completions`: 200, one OpenAI chat completion (the same fake answers for an
+  OpenAI host name, so that the openai SDK has something to talk to);
+- `GET /v1/echo`: 200, the request's own fields as JSON, credentials included: an upstream that
+  echoes the key, so that a test can show the scrubber removes it on the way back;
 - anything else: 404 in Anthropic's error shape. Every request is recorded, answered or not, so a
   test can show what a client asked for.
 
@@ -213,6 +217,23 @@ def _message(model: str) -> dict[str, Any]:
     }
 
 
+def _chat_completion(model: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-fake-e2e",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": REPLY},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 12, "total_tokens": 24},
+    }
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     fake: FakeAnthropic
@@ -251,8 +272,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self) -> None:
         self._record()
-        if urlsplit(self.path).path == "/api/hello":
+        route = urlsplit(self.path).path
+        if route == "/api/hello":
             self._json(200, {})
+        elif route == "/v1/echo" and self.command == "GET":
+            self._json(200, {"headers": dict(self.headers.items())})
         else:
             self._not_found()
 
@@ -283,5 +307,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         elif route == "/v1/messages":
             self._json(200, _message(model))
+        elif route == "/v1/chat/completions":
+            self._json(200, _chat_completion(model))
         else:
             self._not_found()

@@ -18,8 +18,10 @@ forwarding is on here: Docker turns it on). The appliance's nftables rules drop 
 prerouting; Docker's own iptables FORWARD policy (DROP) would too, which is why the tests also
 require the crew chain's drop counter to move: that proves it was our rules. (Checked by hand
 with an `accept` inserted ahead of them: the listener on the gateway is reached and the test
-fails.) The proxy reaches the fake through its split-horizon table (`api.anthropic.test` ->
-100.92.N.2) and an `ssrf_allow` of exactly that /30, verifying TLS against the test CA.
+fails.) The proxy reaches the fake through its split-horizon table (`api.anthropic.test` and
+`api.openai.test` -> 100.92.N.2) and an `ssrf_allow` of exactly that /30, verifying TLS against
+the test CA. Both names are provider hosts the appliance has a key for, so each crew holds a leaf
+for them from its own CA and a CONNECT to them is terminated (section 3).
 
 Nothing is ever sent to an address outside the machine: no test dials a public address (the
 issue suggested 1.1.1.1 as a "the internet is unreachable" probe; a crew's only route is the
@@ -33,6 +35,7 @@ ends with nothing left behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -45,6 +48,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import trustme
@@ -53,12 +57,16 @@ from appliance.runtime.base import agent_keys
 from proxycore.protocol.placeholders import PLACEHOLDER_PREFIX
 from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, needs
 from tests.daemon_support import Appliance, needs_root_and_docker, new_appliance, remove_volumes
-from tests.fake_anthropic import REPLY, FakeAnthropic, bind_listener
+from tests.fake_anthropic import REPLY, FakeAnthropic, Request, bind_listener
 
 pytestmark = pytest.mark.docker
 
 RUNTIMES = ["runc", "runsc"]
 PROVIDER_HOST = "api.anthropic.test"
+# A second provider host with a key (so each crew holds a leaf for it: terminated), served by the
+# same fake, and an allowed host that is nobody's provider.
+OPENAI_HOST = "api.openai.test"
+OTHER_HOST = "elsewhere.test"
 # Names an environment variable holding a credential would likely have.
 CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 
@@ -182,10 +190,14 @@ ifname_prefix = "{app.config_prefix}"
 base_url = "https://{PROVIDER_HOST}"
 credential_env = "TEST_ANTHROPIC_KEY"
 
+[proxy.providers.openai]
+base_url = "https://{OPENAI_HOST}"
+credential_env = "TEST_OPENAI_KEY"
+
 [proxy.upstream]
 ca_file = "{app.ca_file}"
 ssrf_allow = ["{up.subnet}"]
-resolve = {{ "{PROVIDER_HOST}" = "{up.address}" }}
+resolve = {{ "{PROVIDER_HOST}" = "{up.address}", "{OPENAI_HOST}" = "{up.address}" }}
 """
     )
 
@@ -212,7 +224,7 @@ def world(
     upstream = UpstreamNamespace.create(app.tag, app.pool)
     try:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ca.issue_cert(PROVIDER_HOST).configure_cert(tls)
+        ca.issue_cert(PROVIDER_HOST, OPENAI_HOST).configure_cert(tls)
         listener = bind_listener(upstream.address, 443, netns_path=upstream.path)
         fake = FakeAnthropic(listener, tls)
         try:
@@ -227,7 +239,8 @@ def world(
                 # 1 GiB: the Claude Code program alone is a 381 MB executable.
                 code, created = app.ctl_json(
                     "crew", "create", name, "--mode", "restricted", "--runtime", runtime,
-                    "--allow", PROVIDER_HOST, "--memory", "1g",
+                    "--allow", PROVIDER_HOST, "--allow", OPENAI_HOST, "--allow", OTHER_HOST,
+                    "--memory", "1g",
                 )  # fmt: skip
                 assert code == 0, (created, app.log_text())
                 crew = created["crew"]
@@ -396,26 +409,6 @@ def test_provider_key_is_injected_over_verified_tls(world: World, runtime: str) 
     assert received.all("host") == [PROVIDER_HOST]
 
 
-def test_allowed_host_through_a_tunnel_carries_no_injected_key(world: World, runtime: str) -> None:
-    """CONNECT to an allowlisted host: TLS end to end (the crew verifies the fake against the
-    test CA, written to its tmpfs), opaque to the proxy, so nothing is injected."""
-    world.fake.clear()
-    done = world.run(
-        runtime,
-        "sh",
-        "-c",
-        'printf "%s" "$1" > /tmp/ca.pem && curl -sS --max-time 30 --cacert /tmp/ca.pem'
-        f" -X POST -H 'content-type: application/json' --data-binary '{{}}'"
-        f" https://{PROVIDER_HOST}/v1/messages/count_tokens",
-        "sh",
-        world.ca_pem,
-    )
-    assert done.returncode == 0, (done, world.app.log_text())
-    assert json.loads(done.stdout) == {"input_tokens": 12}
-    (received,) = world.fake.requests
-    assert received.all("x-api-key") == []
-
-
 def test_denied_host_gets_the_proxys_readable_refusal(world: World, runtime: str) -> None:
     # Plain HTTP through HTTP_PROXY: the policy decides on the name, before any resolution.
     done = world.run(
@@ -501,7 +494,369 @@ def test_claude_code_completes_through_the_proxy(world: World, runtime: str) -> 
         assert PLACEHOLDER_PREFIX.decode() not in json.dumps(request.headers)
 
 
-# --- 3. restart: adoption, interrupted creates, nothing orphaned ---------------------------------
+# --- 3. real clients through HTTPS_PROXY to the provider's HTTPS URL: terminated ----------------
+#
+# The agent's environment points the CLIs at the proxy's reverse route (section 1, 2); a client
+# given the provider's own URL instead goes through HTTPS_PROXY: CONNECT api.anthropic.test:443,
+# then its own TLS. Each crew holds a leaf for that host (a provider host the appliance has a key
+# for: docs/daemon.md "Crew CAs"), so the proxy terminates the tunnel and injects, checks and
+# scrubs inside it. The clients trust the leaf through what applianced installed: the system
+# bundle's path (curl, Python, OpenSSL), NODE_EXTRA_CA_CERTS (Claude Code).
+
+PROVIDER_URL = f"https://{PROVIDER_HOST}:443"
+
+
+def _journal(app: Appliance, crew: str, kind: str, wanted: int = 0) -> list[dict[str, Any]]:
+    """The payloads of the crew's journal entries of this type, oldest first. The proxy's events
+    reach the journal through applianced a moment after the response: this waits (5 s at most)
+    until there are `wanted`."""
+    payloads: list[dict[str, Any]] = []
+    for _ in range(50):
+        done = app.ctl("--json", "journal", "tail", "-n", "500", "--crew", crew, "--type", kind)
+        assert done.returncode == 0, done.stderr
+        rows = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        payloads = [json.loads(str(row["payload"])) for row in rows]
+        if len(payloads) >= wanted:
+            break
+        time.sleep(0.1)
+    return payloads
+
+
+def _denials(app: Appliance, crew: str, wanted: int = 0) -> list[tuple[str, str]]:
+    """(host, rule) of every request the proxy denied for the crew, oldest first: `proxy.deny`
+    entries hold a batch of requests each (docs/journal.md)."""
+    found: list[tuple[str, str]] = []
+    for _ in range(50):
+        entries = _journal(app, crew, "proxy.deny")
+        # [ts, route, method, host, port, rule, status]
+        found = [(r[3], r[5]) for entry in entries for r in entry["requests"]]
+        if len(found) >= wanted:
+            break
+        time.sleep(0.1)
+    return found
+
+
+def _assert_injected(request: Request, crew: str) -> None:
+    """The operator's key, exactly once; nothing of the crew's own (its placeholders) anywhere."""
+    assert request.all("x-api-key") == [REAL_KEYS["anthropic"]], request
+    assert request.all("authorization") == [], request
+    assert PLACEHOLDER_PREFIX not in request.body
+    assert PLACEHOLDER_PREFIX.decode() not in json.dumps(request.headers), request
+    assert crew not in json.dumps(request.headers), request
+
+
+def test_clients_through_https_proxy_are_terminated_and_injected(
+    world: World, runtime: str
+) -> None:
+    """curl and Python's own urllib (the agent image has no httpx or SDKs: images/README.md),
+    each sending the placeholder as its key, to the provider's HTTPS URL through HTTPS_PROXY:
+    they verify the proxy's leaf under the crew CA, the fake sees the appliance's key and never
+    the placeholder, and a response echoing the key comes back with it scrubbed."""
+    crew = world.crews[runtime]
+    world.fake.clear()
+    body = json.dumps(
+        {"model": "claude-e2e", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    python = (
+        "import json, os, urllib.request\n"
+        "request = urllib.request.Request(os.environ['ANTHROPIC_BASE_URL'] + '/v1/messages',"
+        " data=os.environ['BODY'].encode(), method='POST', headers={"
+        "'content-type': 'application/json', 'x-api-key': os.environ['ANTHROPIC_API_KEY']})\n"
+        "print(json.load(urllib.request.urlopen(request, timeout=30))['content'][0]['text'])\n"
+    )
+    script = (
+        # Nothing in the crew's environment names the host: the client's own proxy handling.
+        'case "$HTTPS_PROXY" in http://*) ;; *) exit 99;; esac; '
+        'curl -sS --max-time 30 -X POST "$ANTHROPIC_BASE_URL/v1/messages"'
+        ' -H "content-type: application/json" -H "x-api-key: $ANTHROPIC_API_KEY"'
+        ' --data-binary "$BODY"; echo; echo curl=$?; '
+        'python3 -c "$1"; echo python=$?; '
+        'curl -sS --max-time 30 -H "x-api-key: $ANTHROPIC_API_KEY" "$ANTHROPIC_BASE_URL/v1/echo";'
+        " echo; echo echo=$?"
+    )
+    done = world.run(
+        runtime, "env", f"ANTHROPIC_BASE_URL={PROVIDER_URL}", f"BODY={body}",
+        "sh", "-c", script, "sh", python,
+    )  # fmt: skip
+    assert done.returncode == 0, (done, world.fake.log(), world.app.log_text()[-3000:])
+    lines = done.stdout.splitlines()
+    assert json.loads(lines[0])["content"][0]["text"] == REPLY, done
+    assert lines[1:4] == ["curl=0", REPLY, "python=0"], done
+    assert lines[-1] == "echo=0", done
+    messages = world.fake.messages()
+    assert len(messages) == 2, world.fake.log()
+    for request in messages:
+        _assert_injected(request, crew)
+        assert request.all("host") in ([PROVIDER_HOST], [f"{PROVIDER_HOST}:443"]), request
+    (echoed,) = [r for r in world.fake.requests if r.route == "/v1/echo"]
+    _assert_injected(echoed, crew)
+    # The fake echoed the appliance's key; the scrubber took it out of the terminated reply.
+    echo = json.loads(lines[-2])["headers"]
+    key_field = {name.lower(): value for name, value in echo.items()}["x-api-key"]
+    assert key_field != REAL_KEYS["anthropic"] and REAL_KEYS["anthropic"] not in done.stdout
+    for key in REAL_KEYS.values():
+        for start in range(0, len(key) - 8, 4):
+            assert key[start : start + 8] not in done.stdout, (key, done.stdout)
+    # The proxy, not the crew, dialled the fake.
+    assert set(world.fake.peers) <= {world.upstream.host_address}, world.fake.peers
+
+
+def test_claude_code_through_https_proxy_to_the_providers_url(world: World, runtime: str) -> None:
+    """`claude -p` as in section 2, but with ANTHROPIC_BASE_URL = the provider's own HTTPS URL:
+    Claude Code goes through HTTPS_PROXY, trusts the proxy's leaf through NODE_EXTRA_CA_CERTS,
+    and the fake sees the appliance's key."""
+    crew = world.crews[runtime]
+    world.fake.clear()
+    done = world.run(
+        runtime, "env", "-C", "/home/agent", f"ANTHROPIC_BASE_URL={PROVIDER_URL}",
+        "claude", "-p", "say hi", timeout=120,
+    )  # fmt: skip
+    asked = world.fake.log()
+    assert done.returncode == 0, (done, asked, world.app.log_text()[-3000:])
+    assert REPLY in done.stdout, (done, asked)
+    messages = world.fake.messages()
+    assert messages, asked
+    for request in messages:
+        _assert_injected(request, crew)
+        assert json.loads(request.body).get("stream") is True
+    for request in world.fake.requests:
+        assert PLACEHOLDER_PREFIX.decode() not in json.dumps(request.headers)
+
+
+SDK_DIR = "/home/agent/.e2e-sdks"
+
+
+@functools.cache
+def _sdk_tarball() -> bytes:
+    """httpx, the anthropic and openai SDKs and what they import, from this test run's own
+    environment (they are test dependencies: pyproject.toml), as a tar.gz for SDK_DIR. The agent
+    image holds no Python package beyond the standard library, and a test crew's allowlist has
+    no package index: this is what `pip install --target` would have put there.
+
+    The pure-Python packages go in one zip (sdk.zip, imported from the zip): the SDKs are
+    thousands of small files, and a file created under gVisor costs a round trip to its gofer
+    (unpacked one by one, they took 16 s under runsc). Only what zipimport cannot import is
+    unpacked as files."""
+    import importlib.metadata
+    import io
+    import tarfile
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    dists: dict[str, importlib.metadata.Distribution] = {}
+    todo = ["httpx", "anthropic", "openai"]
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in dists:
+            continue
+        dists[key] = dist = importlib.metadata.distribution(name)
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    # Not the scripts in bin/ nor byte code (a zip's modules are compiled on import).
+    files = [
+        (dist, file)
+        for dist in dists.values()
+        for file in dist.files or []
+        if file.parts[0] != ".." and "__pycache__" not in file.parts
+    ]
+    native = {file.parts[0] for _, file in files if file.suffix == ".so"}
+    zipped_files = [(dist, file) for dist, file in files if file.parts[0] not in native]
+    # zipimport finds no namespace package (a directory of modules without __init__.py:
+    # opentelemetry, anthropic._decoders): an empty one makes each a plain package.
+    names = {str(file) for _, file in zipped_files}
+    bare = {
+        f"{directory}/__init__.py"
+        for _, file in zipped_files
+        if file.suffix == ".py"
+        for directory in file.parents
+        if directory.parts
+    } - names
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zipped:
+        for dist, file in zipped_files:
+            zipped.write(str(dist.locate_file(file)), str(file))
+        for name in sorted(bare):
+            zipped.writestr(name, b"")
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("sdk.zip")
+        info.size, info.mode = len(archive.getvalue()), 0o644
+        tar.addfile(info, io.BytesIO(archive.getvalue()))
+        for dist, file in files:
+            if file.parts[0] in native:
+                tar.add(str(dist.locate_file(file)), arcname=str(file), recursive=False)
+    return out.getvalue()
+
+
+SDK_SCRIPT = """
+import os, sys
+import anthropic, httpx, openai
+
+messages = [{"role": "user", "content": "hi"}]
+body = {"model": "claude-e2e", "max_tokens": 16, "messages": messages}
+key = {"x-api-key": os.environ["ANTHROPIC_API_KEY"]}
+url = os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages"
+print("httpx", httpx.post(url, json=body, headers=key, timeout=30).json()["content"][0]["text"])
+# Key and base URL from the environment, as the SDKs take them by default.
+reply = anthropic.Anthropic().messages.create(model="claude-e2e", max_tokens=16, messages=messages)
+print("anthropic", reply.content[0].text)
+chat = openai.OpenAI().chat.completions.create(model="gpt-e2e", messages=messages)
+print("openai", chat.choices[0].message.content)
+"""
+
+
+def test_python_sdks_through_https_proxy(world: World, runtime: str) -> None:
+    """httpx and the anthropic and openai SDKs (the project's own test dependencies, unpacked
+    into the crew's tmpfs) at the providers' HTTPS URLs through HTTPS_PROXY: each trusts the
+    proxy's leaf through the crew's trust, and each provider gets its own key injected."""
+    import sys
+
+    crew = world.crews[runtime]
+    version = world.run(runtime, "python3", "-c", "import sys; print(sys.version_info[:2])")
+    if version.stdout.strip() != str(sys.version_info[:2]):
+        # pydantic-core and jiter are compiled for this run's Python.
+        pytest.skip(f"the crew's Python {version.stdout.strip()} is not {sys.version_info[:2]}")
+    # Into HOME, not /tmp: the crew's /tmp is noexec, and pydantic-core and jiter are shared
+    # objects (runc refuses to map them from there).
+    unpack = [
+        *world.app.ctl_argv(), "run", "-i", "--timeout", "60", crew, "--",
+        "sh", "-c", f"mkdir -p {SDK_DIR} && tar -xzf - -C {SDK_DIR}",
+    ]  # fmt: skip
+    try:
+        done_unpack = subprocess.run(unpack, input=_sdk_tarball(), capture_output=True, timeout=90)
+        assert done_unpack.returncode == 0, done_unpack
+        world.fake.clear()
+        done = world.run(
+            runtime,
+            "env",
+            f"PYTHONPATH={SDK_DIR}:{SDK_DIR}/sdk.zip",
+            f"ANTHROPIC_BASE_URL={PROVIDER_URL}",
+            f"OPENAI_BASE_URL=https://{OPENAI_HOST}:443/v1",
+            "python3",
+            "-c",
+            SDK_SCRIPT,
+            timeout=90,
+        )
+    finally:
+        world.run(runtime, "rm", "-rf", SDK_DIR)
+    assert done.returncode == 0, (done, world.fake.log(), world.app.log_text()[-3000:])
+    expected = [f"{sdk} {REPLY}" for sdk in ("httpx", "anthropic", "openai")]
+    assert done.stdout.splitlines() == expected, done
+    anthropic_requests = world.fake.messages()
+    assert len(anthropic_requests) == 2, world.fake.log()
+    for request in anthropic_requests:
+        _assert_injected(request, crew)
+    (chat,) = [r for r in world.fake.requests if r.route == "/v1/chat/completions"]
+    assert chat.all("authorization") == [f"Bearer {REAL_KEYS['openai']}"], chat
+    assert chat.all("x-api-key") == [] and chat.all("host")[0].startswith(OPENAI_HOST), chat
+    assert PLACEHOLDER_PREFIX.decode() not in json.dumps(chat.headers), chat
+
+
+def test_placeholder_to_another_host_is_refused(world: World, runtime: str) -> None:
+    """The Anthropic placeholder sent where it does not belong: to an allowed host that is no
+    provider, over plain HTTP through HTTP_PROXY; and through HTTPS_PROXY to a terminated host
+    that is another provider's (the crew holds a leaf for it, so the proxy reads the request).
+    Both refused before anything is dialled, and journaled naming the provider."""
+    crew = world.crews[runtime]
+    world.fake.clear()
+    before = len(_denials(world.app, crew))
+    script = (
+        'curl -sS --max-time 20 -w "\n%{http_code}\n" -H "x-api-key: $ANTHROPIC_API_KEY"'
+        f" http://{OTHER_HOST}/collect; "
+        'curl -sS --max-time 20 -w "\n%{http_code}\n" -H "x-api-key: $ANTHROPIC_API_KEY"'
+        f' -H "content-type: application/json" --data-binary "{{}}"'
+        f" https://{OPENAI_HOST}/v1/chat/completions"
+    )
+    done = world.run(runtime, "sh", "-c", script)
+    assert done.returncode == 0, (done, world.app.log_text()[-3000:])
+    # The refusal's JSON, its status (the empty lines: the newline each JSON ends with).
+    lines = [line for line in done.stdout.splitlines() if line]
+    assert lines[1] == "403" and lines[3] == "403", done
+    for line, host in ((lines[0], OTHER_HOST), (lines[2], OPENAI_HOST)):
+        refusal = json.loads(line)
+        assert refusal["rule"] == "placeholder_misdirected" and refusal["host"] == host, refusal
+        assert "anthropic" in refusal["message"], refusal
+    assert world.fake.requests == [] and world.fake.log() == "(nothing)"
+    assert _denials(world.app, crew, before + 2)[before:] == [
+        (OTHER_HOST, "placeholder_misdirected"),
+        (OPENAI_HOST, "placeholder_misdirected"),
+    ]
+
+
+def test_pinned_client_is_refused_and_journaled(world: World, runtime: str) -> None:
+    """A client that trusts only the provider's real CA (curl --cacert, the fake's CA written to
+    the crew's tmpfs) rejects the proxy's leaf: the request never leaves, the fake sees nothing,
+    and the journal's tunnel_closed names the host and why."""
+    crew = world.crews[runtime]
+    world.fake.clear()
+    before = len(_journal(world.app, crew, "tunnel.closed"))
+    done = world.run(
+        runtime,
+        "sh",
+        "-c",
+        'printf "%s" "$1" > /tmp/ca.pem && curl -sS --max-time 30 --cacert /tmp/ca.pem'
+        f" -H 'x-api-key: {AGENT_DUMMY_KEY}' https://{PROVIDER_HOST}/v1/echo",
+        "sh",
+        world.ca_pem,
+    )
+    # 60: the peer's certificate could not be verified against the CA given.
+    assert done.returncode == 60, done
+    assert world.fake.requests == [], world.fake.log()
+    closed = _journal(world.app, crew, "tunnel.closed", before + 1)[before:]
+    reasons = [(c["host"], c["reason"]) for c in closed]
+    assert reasons == [(PROVIDER_HOST, "agent_rejected_certificate")], closed
+
+
+def test_crew_cannot_read_its_ca_key(world: World, runtime: str) -> None:
+    """The crew CA's key is nowhere in the crew: every PEM file it can find is a certificate
+    (the crew CA alone, and the system bundle with it), no file it can read under /etc, /home,
+    /tmp, /run or /var holds a private key, and its environment names none."""
+    crew = world.crews[runtime]
+    done = world.run(
+        runtime,
+        "sh",
+        "-c",
+        "find / \\( -path /proc -o -path /sys -o -path /dev \\) -prune -o -name '*.pem' -type f"
+        " -print 2>/dev/null | sort; echo --; "
+        # Two halves, so that the journal (which records the argv) shows no key marker either.
+        'grep -rlsF "$1$2" /etc /home /tmp /run /var; echo --; env',
+        "sh",
+        "PRIVATE",
+        " KEY",
+        timeout=120,
+    )
+    found, keys, env = done.stdout.split("--\n")
+    assert keys == "", done
+    pems = found.split()
+    assert "/etc/agent-appliance/crew-ca.pem" in pems, done
+    cat = world.run(runtime, "sh", "-c", 'for f in "$@"; do cat "$f"; done', "sh", *pems)
+    assert cat.returncode == 0 and "PRIVATE" not in cat.stdout, cat
+    blocks = re.findall(r"-----BEGIN ([A-Z0-9 ]+)-----", cat.stdout)
+    assert blocks and set(blocks) == {"CERTIFICATE"}, set(blocks)
+    assert "PRIVATE" not in env and "crew-ca.key" not in env
+    variables = dict(line.split("=", 1) for line in env.splitlines() if "=" in line)
+    assert variables["NODE_EXTRA_CA_CERTS"] == "/etc/agent-appliance/crew-ca.pem"
+    from appliance.credstore import CredentialStore, load_key
+
+    # The key as applianced sealed it: none of its lines is in the crew's environment either.
+    state = world.app.state_dir
+    store = CredentialStore(state / "credentials.db", load_key(None, state / "credentials.key")[0])
+    try:
+        found_ca = store.crew_ca(crew)
+        assert found_ca is not None
+        with found_ca[1] as key:
+            key_pem = key.reveal().decode()
+    finally:
+        store.close()
+    for line in key_pem.splitlines()[1:-1]:
+        assert line not in done.stdout
+
+
+# --- 4. restart: adoption, interrupted creates, nothing orphaned ---------------------------------
 
 
 def test_restart_adopts_crews_rolls_back_interrupted_ones_and_leaves_nothing(world: World) -> None:
