@@ -221,14 +221,26 @@ def _started(ws: Workspace, service: Service, timeout: float = 20.0) -> Service:
 # --------------------------------------------------------------------------- upstream
 
 
-def start_nginx(ws: Workspace, core: str | None = LOAD_CORE) -> Service:
-    """nginx with one worker serving /1k (1 KiB) over keep-alive, as the upstream origin."""
+def start_nginx(
+    ws: Workspace, core: str | None = LOAD_CORE, tls: tuple[Path, Path] | None = None
+) -> Service:
+    """nginx with one worker serving /1k (1 KiB) over keep-alive, as the upstream origin.
+
+    `tls`: (certificate chain, key), PEM files: the listener speaks TLS (1.2 and 1.3, HTTP/1.1)
+    with that certificate for every name instead of plain HTTP.
+    """
     if shutil.which("nginx") is None:
         raise Unavailable("nginx not installed (apt-get install -y nginx)")
     root = ws.subdir("nginx")
     (root / "1k").write_bytes(b"a" * BODY_SIZE)
     port = free_port()
     conf = root / "nginx.conf"
+    tls_lines = (
+        f"ssl_certificate {tls[0]};\n        ssl_certificate_key {tls[1]};\n"
+        "        ssl_protocols TLSv1.2 TLSv1.3;"
+        if tls
+        else ""
+    )
     conf.write_text(
         f"""\
 worker_processes 1;
@@ -243,7 +255,8 @@ http {{
     keepalive_timeout 300s;
     client_header_timeout 300s;
     server {{
-        listen 127.0.0.1:{port} backlog=4096;
+        listen 127.0.0.1:{port}{" ssl" if tls else ""} backlog=4096;
+        {tls_lines}
         root {root};
         location / {{ }}
     }}
@@ -251,7 +264,8 @@ http {{
 """
     )
     argv = pinned(core, ["nginx", "-p", str(root), "-c", str(conf)])
-    proc = ws.spawn(argv, log=root / "stdout.log", note="upstream origin")
+    note = "upstream origin" + (", TLS" if tls else "")
+    proc = ws.spawn(argv, log=root / "stdout.log", note=note)
     return _started(ws, Service("nginx", "127.0.0.1", port, proc, argv, root / "stdout.log"))
 
 
@@ -292,8 +306,10 @@ def ours_config(
     resolve: dict[str, str] | None = None,
     limits: dict[str, int] | None = None,
     upstream: Sequence[str] = (),
+    crew_lines: Sequence[str] = (),
 ) -> str:
-    """`upstream`: more lines for the [upstream] table (e.g. `h2c = [...]`)."""
+    """`upstream`: more lines for the [upstream] table (e.g. `h2c = [...]`); `crew_lines`: more
+    lines after each [[crew]] table (e.g. its `[[crew.leaves]]`)."""
     lines = ["[listen]", f"port = {port}", ""]
     if limits:
         lines += ["[limits]", *(f"{key} = {value}" for key, value in limits.items()), ""]
@@ -308,6 +324,7 @@ def ours_config(
             # The upstream is on this host's loopback: only a crew that names it reaches it.
             'ssrf_allow = ["127.0.0.1/32"]',
             "",
+            *crew_lines,
         ]
     table = resolve if resolve is not None else {host: "127.0.0.1" for host in allow}
     resolve_items = ", ".join(f"{json.dumps(h)} = {json.dumps(a)}" for h, a in table.items())
@@ -336,6 +353,7 @@ def start_ours(
     limits: dict[str, int] | None = None,
     tag: str = "ours",
     upstream: Sequence[str] = (),
+    crew_lines: Sequence[str] = (),
 ) -> Service:
     """Our proxy: restricted policy, SSRF guard, events to a JSON-lines file (as in production)."""
     root = ws.subdir(tag)
@@ -350,6 +368,7 @@ def start_ours(
             allow=allow,
             limits=limits,
             upstream=upstream,
+            crew_lines=crew_lines,
         )
     )
     argv = pinned(
@@ -466,7 +485,10 @@ def mitmdump_path() -> Path | None:
     return candidate if candidate.exists() else None
 
 
-def start_mitmdump(ws: Workspace, core: str | None = PROXY_CORE) -> Service:
+def start_mitmdump(
+    ws: Workspace, core: str | None = PROXY_CORE, extra: Sequence[str] = ()
+) -> Service:
+    """`extra`: more mitmdump arguments (e.g. `--set ssl_verify_upstream_trusted_ca=...`)."""
     binary = mitmdump_path()
     if binary is None:
         raise Unavailable(
@@ -486,6 +508,7 @@ def start_mitmdump(ws: Workspace, core: str | None = PROXY_CORE) -> Service:
             "--quiet",
             "--set",
             f"confdir={root / 'conf'}",
+            *extra,
         ],
     )
     proc = ws.spawn(argv, log=root / "stdout.log", note="mitmdump, no addons, quiet")
@@ -834,7 +857,8 @@ def run_measured(
     the least disturbed attempt is kept: the choice looks at the disturbance, never at the figure.
     A warm-up run is run once, at once. With `watch_pgid`, the report also gives the CPU that
     process group (the server under test) used during the kept attempt, in % of one core
-    (`watched_cpu_pct`): whether the figure is the server's limit or the load generator's.
+    (`watched_cpu_pct`): whether the figure is the server's limit or the load generator's, and
+    in seconds (`watched_cpu_s`, for CPU per request).
     """
     best: tuple[str, dict[str, Any]] | None = None
     for attempt in range(1 if warmup else _busy_retries + 1):
@@ -860,6 +884,7 @@ def run_measured(
             watched = group_cpu_ticks(watch_pgid) - watched
             hz = os.sysconf("SC_CLK_TCK")
             report["watched_cpu_pct"] = round(100.0 * watched / (hz * load.elapsed), 1)
+            report["watched_cpu_s"] = watched / hz
         if best is None or report["foreign_cpu_pct"] < best[1]["foreign_cpu_pct"]:
             best = (out.decode(errors="replace"), report)
         if warmup or report["foreign_cpu_pct"] <= FOREIGN_LOAD_WARN_PCT:
