@@ -80,6 +80,9 @@ struct fold_tables {
     size_t *name_off, *name_len;
     size_t nnames, max_name;
     size_t footprint;
+    /* fold_cp of the code points below 0x800 (the two-byte UTF-8 characters: Latin, Greek,
+     * Cyrillic, ...): one load instead of a search of the table. */
+    int8_t fold2[0x800];
 };
 
 struct fold_stream {
@@ -861,6 +864,7 @@ int fold_tables_new(const char *pieces, size_t pieces_len, const int32_t *plen,
     for (int len = MIN_SHORT; len <= W; len++)
         if (present[len]) t->lengths[t->nlen++] = len;
     t->stride = t->nlen ? (size_t)(t->lengths[0] - GRAM + 1) : 1;
+    for (uint32_t cp = 0; cp < 0x800; cp++) t->fold2[cp] = (int8_t)fold_cp(cp);
     t->nnames = nnames;
     t->footprint = sizeof *t + nslots * sizeof(went_t) + bloom_bits / 8 + gram_words * 8 +
                    hold_slots * 8 + names_len + nnames * 2 * sizeof(size_t);
@@ -1027,6 +1031,25 @@ static int emit_marker(fold_work *w, const fold_tables *t, int32_t idx) {
     return rc;
 }
 
+/* A decoded unit d[i:end] into the view: a folded character (kind >= 0) or an IGNORED one. */
+static inline void put_unit(int kind, size_t i, size_t end, uint8_t *chars, uint32_t *rs,
+                            uint32_t *re, uint8_t *flags, size_t *nc, uint32_t *broken,
+                            uint32_t *gap_units, uint32_t *gap_bytes) {
+    if (kind >= 0) {
+        chars[*nc] = (uint8_t)kind;
+        rs[*nc] = (uint32_t)i;
+        re[*nc] = (uint32_t)end;
+        flags[*nc] = (uint8_t)(F_SLOW | (*broken ? F_BREAK : 0));
+        *broken = 0;
+        *gap_units = *gap_bytes = 0;
+        *nc += 1;
+    } else {
+        *gap_units += 1;
+        *gap_bytes += (uint32_t)(end - i);
+        if (*gap_units > MAX_GAP || *gap_bytes > GAP_BYTES) *broken = 1;
+    }
+}
+
 /* scrub_fold.FoldStream._advance over d[0:n]: output appended to w->out, *consumed set to the
  * bytes that are final (the rest stays pending). `direct`: when nothing was output before and
  * the output is d[0:upto] unchanged, it is left in d (w->direct), not copied; d must then stay
@@ -1105,23 +1128,36 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
         if (i >= n) break;
         if (i == lim) continue; /* a plain `[`: back to the blocks */
         size_t end;
-        int kind = next_unit(t, d, n, i, eof, &end);
-        if (kind == K_NEED_MORE) break;
-        if (kind == K_BREAK) {
-            broken = 1;
-        } else if (kind >= 0) {
-            chars[nc] = (uint8_t)kind;
-            rs[nc] = (uint32_t)i;
-            re[nc] = (uint32_t)end;
-            flags[nc] = (uint8_t)(F_SLOW | (broken ? F_BREAK : 0));
-            broken = 0;
-            gap_units = gap_bytes = 0;
-            nc++;
-        } else {
-            gap_units++;
-            gap_bytes += (uint32_t)(end - i);
-            if (gap_units > MAX_GAP || gap_bytes > GAP_BYTES) broken = 1;
+        int kind;
+        /* Whole, valid two- or three-byte UTF-8 characters (non-ASCII prose): what utf8()
+         * decides, without the call, and one after the other (not back to the blocks, which
+         * would stop at each); anything else (a character cut by the end, an invalid sequence,
+         * an escape) is the decoder's. */
+        const size_t run_from = i;
+        while (i < n) {
+            const uint32_t b0 = d[i];
+            if (b0 - 0xC2 <= 0xDF - 0xC2 && n - i >= 2 && (uint8_t)(d[i + 1] - 0x80) < 0x40) {
+                kind = t->fold2[(b0 & 0x1F) << 6 | (d[i + 1] & 0x3F)];
+                end = i + 2;
+            } else if (b0 - 0xE0 <= 0xEF - 0xE0 && n - i >= 3 &&
+                       d[i + 1] >= (b0 == 0xE0 ? 0xA0 : 0x80) &&
+                       d[i + 1] <= (b0 == 0xED ? 0x9F : 0xBF) && (uint8_t)(d[i + 2] - 0x80) < 0x40) {
+                kind = fold_cp((b0 & 0x0F) << 12 | (uint32_t)(d[i + 1] & 0x3F) << 6 |
+                               (d[i + 2] & 0x3F));
+                end = i + 3;
+            } else {
+                break;
+            }
+            put_unit(kind, i, end, chars, rs, re, flags, &nc, &broken, &gap_units, &gap_bytes);
+            i = end;
         }
+        if (i != run_from) continue;
+        kind = next_unit(t, d, n, i, eof, &end);
+        if (kind == K_NEED_MORE) break;
+        if (kind == K_BREAK)
+            broken = 1;
+        else
+            put_unit(kind, i, end, chars, rs, re, flags, &nc, &broken, &gap_units, &gap_bytes);
         i = end;
     }
     /* Where the hold of a stream may begin: max(the start of the last run, nc - (W - 1)) (the
