@@ -4,8 +4,9 @@
  * the view; the windows; the groups; the cut of a stream).
  *
  * Speed: a call decodes its bytes into the view first (plain bytes, those that are one unit
- * each, 32 at a time with AVX2 (plain_avx2) or one branch per byte; only `%`, `&`, `\`, ESC,
- * `[` before `R` and bytes that may start a UTF-8 character take the decoder), then looks for
+ * each, 32 at a time with AVX2 (plain_avx2) or one branch per byte; whole valid two- and
+ * three-byte UTF-8 characters in a run of their own; only `%`, `&`, `\`, ESC, `[` before `R`
+ * and the other bytes that may start a UTF-8 character take the decoder), then looks for
  * windows. Every window of length L holds, at any S = L_min - G + 1 consecutive positions,
  * the start of one of its G-character grams (G = 8); so the view is probed only every S-th
  * position, against a
