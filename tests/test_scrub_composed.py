@@ -250,6 +250,24 @@ def test_long_unchanged_input_after_a_held_tail(stages: int) -> None:
         assert run_all(streams, text, chunks, native.hold_bound_bytes) == ref.scrub(text)
 
 
+def test_stage_2_reads_the_two_parts_of_a_release_as_one() -> None:
+    # Stage 1's release (its held tail, then the rest of the input as a range of it) goes to
+    # stage 2 as two parts, never joined: a secret across their boundary, or across the 64 KiB
+    # pieces stage 2 cuts a long input into, with and without a tail stage 2 holds.
+    native, ref = scrubbers()
+    held = b"x " + KEY[:12]  # stage 1 holds it (a prefix of a key it knows)
+    rest = b"\xe2\x80\x8b" + KEY[12:]  # the key to stage 2 only (a zero-width space in it)
+    for prefix in (b"", b"a " + TOKEN.upper()[:20]):  # stage 2 holds it
+        for size in range(65536 - len(held) - len(rest) - 40, 65536 - 20, 9):
+            plain = bytes(b"lorem ipsum dolor sit amet; "[k % 28] for k in range(size))
+            text = prefix + held + rest + plain + TOKEN.upper() + b" y"
+            chunks = [len(prefix) + len(held), len(text) - len(prefix) - len(held)]
+            streams = [native.stream(), two_calls(native), reference(ref)]
+            out = run_all(streams, text, chunks, native.hold_bound_bytes)
+            assert out == ref.scrub(text)
+            assert KEY[12:] not in out and TOKEN.upper() not in out
+
+
 def test_any_bytes_like_input() -> None:
     native, _ = pair()
     text = b"a " + KEY + b" " + TOKEN.upper() + b" b " * 30_000

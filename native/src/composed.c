@@ -136,13 +136,14 @@ const composed_result *composed_feed(composed_stream *cs, const char *in, size_t
         return fail(tw, rc, 1);
     }
     size_t tail = to - from;
-    /* Stage 1's release, contiguous: o1[0:n1] + in[from:to]. */
+    /* Stage 1's release, contiguous: o1[0:n1] + in[from:to]. Stage 2 takes the two parts as
+     * they are (it copies its input after its own pending tail anyway). */
     const char *rel = o1;
     size_t nrel = n1 + tail;
-    if (tail) {
+    if (tail && !cs->second) {
         if (n1 == 0) {
             rel = in + from;
-        } else if (!cs->second && tail >= JOIN_MIN) {
+        } else if (tail >= JOIN_MIN) {
             r->len = COMPOSED_OTHER;
             r->out = o1;
             r->head = n1;
@@ -185,7 +186,7 @@ const composed_result *composed_feed(composed_stream *cs, const char *in, size_t
     }
     const char *o2;
     size_t n2;
-    rc = fold_feed(cs->second, tw->w2, rel, nrel, eof, &o2, &n2);
+    rc = fold_feed2(cs->second, tw->w2, o1, n1, tail ? in + from : NULL, tail, eof, &o2, &n2);
     atomic_store(&cs->busy, 0);
     if (rc != FOLD_OK) return fail(tw, rc, 2);
     r->len = (int64_t)n2;

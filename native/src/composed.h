@@ -16,7 +16,8 @@
  * arguments and the caller reads two fields.
  *
  * The result record and the output it points to are the calling thread's, valid until that
- * thread's next composed_feed: another thread's calls never touch them (each thread has its
+ * thread's next composed_feed (and, as the output may lie in the caller's input, not copied,
+ * while that input is unchanged): another thread's calls never touch them (each thread has its
  * own), and a stream used by two threads at once refuses the second call (COMPOSED busy:
  * SCRUB_EBUSY) instead of interleaving the two stages' order. */
 #ifndef COMPOSED_H

@@ -4,8 +4,9 @@
  * the view; the windows; the groups; the cut of a stream).
  *
  * Speed: a call decodes its bytes into the view first (plain bytes, those that are one unit
- * each, 32 at a time with AVX2 (plain_avx2) or one branch per byte; only `%`, `&`, `\`, ESC,
- * `[` before `R` and bytes that may start a UTF-8 character take the decoder), then looks for
+ * each, 32 at a time with AVX2 (plain_avx2) or one branch per byte; whole valid two- and
+ * three-byte UTF-8 characters in a run of their own; only `%`, `&`, `\`, ESC, `[` before `R`
+ * and the other bytes that may start a UTF-8 character take the decoder), then looks for
  * windows. Every window of length L holds, at any S = L_min - G + 1 consecutive positions,
  * the start of one of its G-character grams (G = 8); so the view is probed only every S-th
  * position, against a
@@ -80,6 +81,9 @@ struct fold_tables {
     size_t *name_off, *name_len;
     size_t nnames, max_name;
     size_t footprint;
+    /* fold_cp of the code points below 0x800 (the two-byte UTF-8 characters: Latin, Greek,
+     * Cyrillic, ...): one load instead of a search of the table. */
+    int8_t fold2[0x800];
 };
 
 struct fold_stream {
@@ -114,6 +118,10 @@ struct fold_work {
     size_t groups_cap;
     uint8_t *out;
     size_t out_cap, out_len;
+    /* The output when it is a prefix of one call's input as it was decoded (no marker in it,
+     * nothing before it): the input itself, not copied (NULL: the output is in out). */
+    const uint8_t *direct;
+    size_t direct_len;
     atomic_int busy;
 };
 
@@ -752,10 +760,9 @@ static inline uint64_t hold_gram_of(const uint8_t *s) {
     return g;
 }
 
-/* Is the HOLD_GRAM-gram at s one of a window's? Exact (the reference's set). */
-static int hold_gram_in(const fold_tables *t, const uint8_t *s) {
-    uint64_t g = hold_gram_of(s);
-    size_t slot = (size_t)gram_hash(g) & t->holds_mask;
+/* Is the HOLD_GRAM-gram g, whose first slot is `slot`, one of a window's? Exact (the
+ * reference's set). */
+static int hold_gram_at(const fold_tables *t, uint64_t g, size_t slot) {
     for (;;) { /* ends: the set is at most half full */
         uint64_t e = t->holds[slot];
         if (e == 0) return 0;
@@ -858,6 +865,7 @@ int fold_tables_new(const char *pieces, size_t pieces_len, const int32_t *plen,
     for (int len = MIN_SHORT; len <= W; len++)
         if (present[len]) t->lengths[t->nlen++] = len;
     t->stride = t->nlen ? (size_t)(t->lengths[0] - GRAM + 1) : 1;
+    for (uint32_t cp = 0; cp < 0x800; cp++) t->fold2[cp] = (int8_t)fold_cp(cp);
     t->nnames = nnames;
     t->footprint = sizeof *t + nslots * sizeof(went_t) + bloom_bits / 8 + gram_words * 8 +
                    hold_slots * 8 + names_len + nnames * 2 * sizeof(size_t);
@@ -1024,10 +1032,31 @@ static int emit_marker(fold_work *w, const fold_tables *t, int32_t idx) {
     return rc;
 }
 
+/* A decoded unit d[i:end] into the view: a folded character (kind >= 0) or an IGNORED one. */
+static inline void put_unit(int kind, size_t i, size_t end, uint8_t *chars, uint32_t *rs,
+                            uint32_t *re, uint8_t *flags, size_t *nc, uint32_t *broken,
+                            uint32_t *gap_units, uint32_t *gap_bytes) {
+    if (kind >= 0) {
+        chars[*nc] = (uint8_t)kind;
+        rs[*nc] = (uint32_t)i;
+        re[*nc] = (uint32_t)end;
+        flags[*nc] = (uint8_t)(F_SLOW | (*broken ? F_BREAK : 0));
+        *broken = 0;
+        *gap_units = *gap_bytes = 0;
+        *nc += 1;
+    } else {
+        *gap_units += 1;
+        *gap_bytes += (uint32_t)(end - i);
+        if (*gap_units > MAX_GAP || *gap_bytes > GAP_BYTES) *broken = 1;
+    }
+}
+
 /* scrub_fold.FoldStream._advance over d[0:n]: output appended to w->out, *consumed set to the
- * bytes that are final (the rest stays pending). */
+ * bytes that are final (the rest stays pending). `direct`: when nothing was output before and
+ * the output is d[0:upto] unchanged, it is left in d (w->direct), not copied; d must then stay
+ * as it is until the caller has read the output. */
 static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t n, int eof,
-                   size_t *consumed) {
+                   int direct, size_t *consumed) {
     if (n >= UINT32_MAX) return FOLD_ETOOBIG;
     /* + 32: the block loop writes whole blocks past the last character it keeps */
     int rc = view_reserve(w, n + 33);
@@ -1100,29 +1129,47 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
         if (i >= n) break;
         if (i == lim) continue; /* a plain `[`: back to the blocks */
         size_t end;
-        int kind = next_unit(t, d, n, i, eof, &end);
-        if (kind == K_NEED_MORE) break;
-        if (kind == K_BREAK) {
-            broken = 1;
-        } else if (kind >= 0) {
-            chars[nc] = (uint8_t)kind;
-            rs[nc] = (uint32_t)i;
-            re[nc] = (uint32_t)end;
-            flags[nc] = (uint8_t)(F_SLOW | (broken ? F_BREAK : 0));
-            broken = 0;
-            gap_units = gap_bytes = 0;
-            nc++;
-        } else {
-            gap_units++;
-            gap_bytes += (uint32_t)(end - i);
-            if (gap_units > MAX_GAP || gap_bytes > GAP_BYTES) broken = 1;
+        int kind;
+        /* Whole, valid two- or three-byte UTF-8 characters (non-ASCII prose): what utf8()
+         * decides, without the call, and one after the other (not back to the blocks, which
+         * would stop at each); anything else (a character cut by the end, an invalid sequence,
+         * an escape) is the decoder's. */
+        const size_t run_from = i;
+        while (i < n) {
+            const uint32_t b0 = d[i];
+            if (b0 - 0xC2 <= 0xDF - 0xC2 && n - i >= 2 && (uint8_t)(d[i + 1] - 0x80) < 0x40) {
+                kind = t->fold2[(b0 & 0x1F) << 6 | (d[i + 1] & 0x3F)];
+                end = i + 2;
+            } else if (b0 - 0xE0 <= 0xEF - 0xE0 && n - i >= 3 &&
+                       d[i + 1] >= (b0 == 0xE0 ? 0xA0 : 0x80) &&
+                       d[i + 1] <= (b0 == 0xED ? 0x9F : 0xBF) && (uint8_t)(d[i + 2] - 0x80) < 0x40) {
+                kind = fold_cp((b0 & 0x0F) << 12 | (uint32_t)(d[i + 1] & 0x3F) << 6 |
+                               (d[i + 2] & 0x3F));
+                end = i + 3;
+            } else {
+                break;
+            }
+            put_unit(kind, i, end, chars, rs, re, flags, &nc, &broken, &gap_units, &gap_bytes);
+            i = end;
         }
+        if (i != run_from) continue;
+        kind = next_unit(t, d, n, i, eof, &end);
+        if (kind == K_NEED_MORE) break;
+        if (kind == K_BREAK)
+            broken = 1;
+        else
+            put_unit(kind, i, end, chars, rs, re, flags, &nc, &broken, &gap_units, &gap_bytes);
         i = end;
     }
     /* Where the hold of a stream may begin: max(the start of the last run, nc - (W - 1)) (the
      * first character starts a run). The exact set of grams the cut reads from there is far
      * larger than a cache: its slots are fetched now, to arrive during pass 2. */
     size_t hold_from = nc;
+    /* The grams at hold_from + q (q < nhold) and their first slots, kept for the cut: at most
+     * W - HOLD_GRAM of them, each made and hashed once (a gram from the one before it). */
+    uint64_t hold_g[W];
+    size_t hold_slot[W];
+    size_t nhold = 0;
     if (!eof && !broken) {
         size_t low = nc >= W ? nc - (W - 1) : 0;
         hold_from = low;
@@ -1132,8 +1179,17 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
                 break;
             }
         }
-        for (size_t j = hold_from; j + HOLD_GRAM <= nc; j++)
-            PREFETCH(&t->holds[(size_t)gram_hash(hold_gram_of(chars + j)) & t->holds_mask]);
+        if (hold_from + HOLD_GRAM <= nc) {
+            const uint64_t all = ((uint64_t)1 << (6 * HOLD_GRAM)) - 1;
+            uint64_t g = hold_gram_of(chars + hold_from) >> 6;
+            for (size_t j = hold_from; j + HOLD_GRAM <= nc; j++) {
+                g = ((g << 6) | (uint64_t)code_of(chars[j + HOLD_GRAM - 1])) & all;
+                size_t slot = (size_t)gram_hash(g) & t->holds_mask;
+                hold_g[nhold] = g;
+                hold_slot[nhold++] = slot;
+                PREFETCH(&t->holds[slot]);
+            }
+        }
     }
     /* Pass 2: the windows, probed every `stride` positions (see the top of this file). The
      * filter is larger than a core's L2 with hundreds of secrets, so nearly every probe misses
@@ -1217,7 +1273,9 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
     } else {
         cut = hold_from;
         /* Released up to the first that could begin a window (scrub_fold: the hold). */
-        while (cut + HOLD_GRAM <= nc && !hold_gram_in(t, chars + cut)) cut++;
+        while (cut + HOLD_GRAM <= nc &&
+               !hold_gram_at(t, hold_g[cut - hold_from], hold_slot[cut - hold_from]))
+            cut++;
         for (size_t k = 0; k < ng; k++) {
             if (w->groups[k].end > cut) {
                 if (w->groups[k].start < cut) cut = w->groups[k].start;
@@ -1227,7 +1285,15 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
         upto = rs[cut];
     }
     if (eof) upto = n;
-    /* Render: d[0:upto], each group that starts before the cut as its marker. */
+    /* Render: d[0:upto], each group that starts before the cut as its marker. Most calls have
+     * none: their output is d[0:upto] itself (a copy of a whole feed saved). */
+    if (direct && w->out_len == 0 &&
+        (ng == 0 || w->groups[0].start >= cut || rs[w->groups[0].start] >= upto)) {
+        w->direct = d;
+        w->direct_len = upto;
+        *consumed = upto;
+        return FOLD_OK;
+    }
     size_t pos = 0;
     for (size_t k = 0; k < ng && w->groups[k].start < cut; k++) {
         size_t a = rs[w->groups[k].start], b = end_of(rs, re, flags, w->groups[k].end - 1);
@@ -1245,8 +1311,26 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
     return FOLD_OK;
 }
 
+/* Copies the bytes [off, off + take) of the concatenation a[0:na] + b to dst. */
+static void gather(uint8_t *dst, const uint8_t *a, size_t na, const uint8_t *b, size_t off,
+                   size_t take) {
+    if (off < na) {
+        size_t from_a = na - off < take ? na - off : take;
+        memcpy(dst, a + off, from_a);
+        dst += from_a;
+        take -= from_a;
+        off = na;
+    }
+    if (take) memcpy(dst, b + (off - na), take);
+}
+
 int fold_feed(fold_stream *st, fold_work *w, const char *in, size_t len, int eof, const char **out,
               size_t *out_len) {
+    return fold_feed2(st, w, in, len, NULL, 0, eof, out, out_len);
+}
+
+int fold_feed2(fold_stream *st, fold_work *w, const char *in_a, size_t len_a, const char *in_b,
+               size_t len_b, int eof, const char **out, size_t *out_len) {
     *out = NULL;
     *out_len = 0;
     /* Acquire and release: a lock's ordering, and on x86 the releases are plain stores (a
@@ -1266,34 +1350,47 @@ int fold_feed(fold_stream *st, fold_work *w, const char *in, size_t len, int eof
         goto done;
     }
     w->out_len = 0;
+    w->direct = NULL;
     /* A large output buffer is not kept for small calls (one big response would otherwise pin
      * its size in every thread that scrubbed it). */
+    if (len_b > SIZE_MAX - len_a) {
+        rc = FOLD_ETOOBIG;
+        goto done;
+    }
+    const size_t len = len_a + len_b;
     if (w->out_cap > ((size_t)1 << 20) && w->out_cap / 4 > len + st->pend_len) {
         free(w->out);
         w->out = NULL;
         w->out_cap = 0;
     }
-    static const char empty[1] = {0};
-    if (!in) in = empty; /* no arithmetic on a null pointer (cffi passes NULL for b"") */
+    /* No arithmetic on a null pointer (cffi passes NULL for b""). */
+    static const uint8_t empty[1] = {0};
+    const uint8_t *a = in_a ? (const uint8_t *)in_a : empty;
+    const uint8_t *b = in_b ? (const uint8_t *)in_b : empty;
     size_t off = 0;
     do {
         size_t take = len - off < PIECE ? len - off : PIECE;
         int last = off + take == len;
         const uint8_t *data;
         size_t n;
-        if (st->pend_len == 0) {
-            data = (const uint8_t *)in + off;
+        if (st->pend_len == 0 && off + take <= len_a) {
+            data = a + off;
             n = take;
-        } else {
+        } else if (st->pend_len == 0 && off >= len_a) {
+            data = b + (off - len_a);
+            n = take;
+        } else { /* the pending tail, or a piece of both parts: one contiguous copy */
             n = st->pend_len + take;
             rc = grow((void **)&w->scratch, &w->scratch_cap, n, 1);
             if (rc) break;
             memcpy(w->scratch, st->pend, st->pend_len);
-            if (take) memcpy(w->scratch + st->pend_len, in + off, take);
+            gather(w->scratch + st->pend_len, a, len_a, b, off, take);
             data = w->scratch;
         }
         size_t consumed = 0;
-        rc = advance(st->t, w, data, n, eof && last, &consumed);
+        /* Only the last piece's output may stay where it is: the next piece's overwrites
+         * the scratch buffer. */
+        rc = advance(st->t, w, data, n, eof && last, last, &consumed);
         if (rc) break;
         size_t keep = n - consumed;
         rc = grow((void **)&st->pend, &st->pend_cap, keep, 1);
@@ -1307,8 +1404,13 @@ int fold_feed(fold_stream *st, fold_work *w, const char *in, size_t len, int eof
         goto done;
     }
     if (eof) st->flushed = 1;
-    *out = (const char *)w->out;
-    *out_len = w->out_len;
+    if (w->direct) {
+        *out = (const char *)w->direct;
+        *out_len = w->direct_len;
+    } else {
+        *out = (const char *)w->out;
+        *out_len = w->out_len;
+    }
 done:
     atomic_store_explicit(&w->busy, 0, memory_order_release);
     atomic_store_explicit(&st->busy, 0, memory_order_release);

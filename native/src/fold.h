@@ -64,10 +64,16 @@ size_t fold_stream_pending(const fold_stream *st);
 int fold_work_new(fold_work **out);
 void fold_work_free(fold_work *w);
 
-/* Scrub `len` more bytes of the stream (eof: they end it). The output is out[0:*out_len], in w,
- * valid until w's next call. */
+/* Scrub `len` more bytes of the stream (eof: they end it). The output is out[0:*out_len], valid
+ * until w's next call and while `in` is unchanged: it is in w, or (when it is the input as it
+ * came, without the pending tail) `in` itself. */
 int fold_feed(fold_stream *st, fold_work *w, const char *in, size_t len, int eof, const char **out,
               size_t *out_len);
+
+/* fold_feed of in_a[0:len_a] + in_b[0:len_b], without joining them first (the engine copies its
+ * input after the pending tail anyway): the output is valid while both are unchanged. */
+int fold_feed2(fold_stream *st, fold_work *w, const char *in_a, size_t len_a, const char *in_b,
+               size_t len_b, int eof, const char **out, size_t *out_len);
 
 /* The constants the engine was built with (W, MIN_SHORT, MAX_GAP, GAP_BYTES, GROUP_CAP,
  * ANSI_CSI_MAX, ANSI_OSC_MAX), for the wrapper to check against the reference's; the count
