@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 import trustme
 
+from appliance.crew_ca import CrewCA, new_ca
 from appliance.demo_upstream import FakeServer, start_fake
 
 if TYPE_CHECKING:
@@ -416,3 +417,38 @@ def proxy(make_proxy, plain_host: FakeServer, provider: FakeServer) -> RunningPr
     provider.clear()
     plain_host.clear()
     return make_proxy(allow=["plain.test"], with_control=True)
+
+
+# -- TLS termination: a crew CA and a proxy whose crew holds a leaf ----------------------------
+
+
+@pytest.fixture(scope="module")
+def crew_ca() -> CrewCA:
+    return new_ca("test")
+
+
+@pytest.fixture
+def crew_ca_file(crew_ca: CrewCA, tmp_path: Path) -> str:
+    path = tmp_path / "crew-ca.pem"
+    path.write_bytes(crew_ca.cert_pem)
+    return str(path)
+
+
+def leaf_toml(crew_ca: CrewCA, tmp_path: Path, host: str) -> str:
+    """A `[[crew.leaves]]` table for `host`, its leaf minted by `crew_ca` into `tmp_path`."""
+    leaf = crew_ca.mint(host)
+    cert, key = tmp_path / f"{host}.crt", tmp_path / f"{host}.key"
+    cert.write_bytes(leaf.cert_pem)
+    key.write_bytes(leaf.key_pem)
+    return f'[[crew.leaves]]\nhost = "{host}"\ncert_file = "{cert}"\nkey_file = "{key}"\n'
+
+
+@pytest.fixture
+def terminating(make_proxy, provider: FakeServer, crew_ca: CrewCA, tmp_path: Path) -> RunningProxy:
+    """A proxy whose crew holds a leaf for the fake Anthropic, and rules for it."""
+    provider.clear()
+    rules = (
+        '[[crew.rules]]\nhost = "api.anthropic.test"\nmethods = ["POST", "GET"]\n'
+        'paths = ["/v1/messages", "/v1/models"]\n'
+    )
+    return make_proxy(extra=leaf_toml(crew_ca, tmp_path, "api.anthropic.test") + rules)

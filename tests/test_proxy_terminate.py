@@ -18,7 +18,7 @@ import httpx
 import httpx2
 import pytest
 
-from appliance.crew_ca import CrewCA, new_ca
+from appliance.crew_ca import CrewCA
 from appliance.demo_upstream import FakeServer
 from proxycore import control
 from proxycore.protocol import http1
@@ -34,7 +34,7 @@ from proxycore.protocol.exchange import RULE_TUNNEL_HOST, plan_request
 from proxycore.protocol.l7 import RULE_REQUIRES_TERMINATION, HostRule, L7Rules
 from proxycore.protocol.plans import Forward, OpenTunnel, Refuse, TerminateTunnel
 from proxycore.protocol.policy import Allowlist, CrewPolicy, NetworkMode
-from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, RunningProxy
+from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, RunningProxy, leaf_toml
 
 HOST = "api.anthropic.test"
 KEY = REAL_KEYS["anthropic"]
@@ -134,37 +134,6 @@ def test_a_provider_host_inside_gets_the_key_and_a_misdirected_placeholder_is_re
 
 
 # -- real clients through the proxy -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def crew_ca() -> CrewCA:
-    return new_ca("test")
-
-
-@pytest.fixture
-def crew_ca_file(crew_ca: CrewCA, tmp_path: Path) -> str:
-    path = tmp_path / "crew-ca.pem"
-    path.write_bytes(crew_ca.cert_pem)
-    return str(path)
-
-
-def _leaf_toml(crew_ca: CrewCA, tmp_path: Path, host: str) -> str:
-    leaf = crew_ca.mint(host)
-    cert, key = tmp_path / f"{host}.crt", tmp_path / f"{host}.key"
-    cert.write_bytes(leaf.cert_pem)
-    key.write_bytes(leaf.key_pem)
-    return f'[[crew.leaves]]\nhost = "{host}"\ncert_file = "{cert}"\nkey_file = "{key}"\n'
-
-
-@pytest.fixture
-def terminating(make_proxy, provider: FakeServer, crew_ca: CrewCA, tmp_path: Path) -> RunningProxy:
-    """A proxy whose crew holds a leaf for the fake Anthropic, and rules for it."""
-    provider.clear()
-    rules = (
-        '[[crew.rules]]\nhost = "api.anthropic.test"\nmethods = ["POST", "GET"]\n'
-        'paths = ["/v1/messages", "/v1/models"]\n'
-    )
-    return make_proxy(extra=_leaf_toml(crew_ca, tmp_path, HOST) + rules)
 
 
 def curl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -355,7 +324,7 @@ def test_a_client_pinning_the_real_certificate_fails_and_the_journal_names_the_h
 def test_plain_http_or_silence_in_the_tunnel_ends_it_with_a_reason(
     make_proxy, provider: FakeServer, crew_ca: CrewCA, tmp_path: Path
 ) -> None:
-    proxy = make_proxy(extra=_leaf_toml(crew_ca, tmp_path, HOST) + "[limits]\nhead_timeout = 1\n")
+    proxy = make_proxy(extra=leaf_toml(crew_ca, tmp_path, HOST) + "[limits]\nhead_timeout = 1\n")
     connect = b"CONNECT %s:%d HTTP/1.1\r\nHost: x\r\n\r\n" % (HOST.encode(), provider.port)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
         sock.sendall(connect + b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -418,7 +387,7 @@ def test_leaves_pushed_by_control_message(
 def test_a_client_hello_pipelined_behind_the_connect_and_bulk_bytes_both_ways(
     make_proxy, provider: FakeServer, crew_ca: CrewCA, tmp_path: Path
 ) -> None:
-    proxy = make_proxy(extra=_leaf_toml(crew_ca, tmp_path, HOST))
+    proxy = make_proxy(extra=leaf_toml(crew_ca, tmp_path, HOST))
     provider.clear()
     context = ssl.create_default_context(cadata=crew_ca.cert_pem.decode())
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()

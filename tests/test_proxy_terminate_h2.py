@@ -27,7 +27,7 @@ import trustme
 from websockets.sync.server import ServerConnection, serve
 from wsproto.events import CloseConnection, TextMessage
 
-from appliance.crew_ca import CrewCA, new_ca
+from appliance.crew_ca import CrewCA
 from appliance.demo_upstream import FakeServer
 from proxycore.protocol.events import (
     CredentialInjected,
@@ -37,44 +37,13 @@ from proxycore.protocol.events import (
     TunnelOpened,
 )
 from proxycore.protocol.exchange import RULE_TUNNEL_HOST
-from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, RunningProxy
+from tests.conftest import AGENT_DUMMY_KEY, REAL_KEYS, RunningProxy, leaf_toml
 from tests.h2_ws_client import H2WsClient
 from tests.test_proxy_grpc import Server, method, start_server
 
 HOST = "api.anthropic.test"
 KEY = REAL_KEYS["anthropic"]
 ENABLE_CONNECT_PROTOCOL = 0x8
-
-
-@pytest.fixture(scope="module")
-def crew_ca() -> CrewCA:
-    return new_ca("test")
-
-
-@pytest.fixture
-def crew_ca_file(crew_ca: CrewCA, tmp_path: Path) -> str:
-    path = tmp_path / "crew-ca.pem"
-    path.write_bytes(crew_ca.cert_pem)
-    return str(path)
-
-
-def _leaf_toml(crew_ca: CrewCA, tmp_path: Path, host: str) -> str:
-    leaf = crew_ca.mint(host)
-    cert, key = tmp_path / f"{host}.crt", tmp_path / f"{host}.key"
-    cert.write_bytes(leaf.cert_pem)
-    key.write_bytes(leaf.key_pem)
-    return f'[[crew.leaves]]\nhost = "{host}"\ncert_file = "{cert}"\nkey_file = "{key}"\n'
-
-
-@pytest.fixture
-def terminating(make_proxy, provider: FakeServer, crew_ca: CrewCA, tmp_path: Path) -> RunningProxy:
-    """A proxy whose crew holds a leaf for the fake Anthropic, and rules for it."""
-    provider.clear()
-    rules = (
-        '[[crew.rules]]\nhost = "api.anthropic.test"\nmethods = ["POST", "GET"]\n'
-        'paths = ["/v1/messages", "/v1/models"]\n'
-    )
-    return make_proxy(extra=_leaf_toml(crew_ca, tmp_path, HOST) + rules)
 
 
 def _trusting(ca_file: str) -> ssl.SSLContext:
@@ -312,7 +281,7 @@ def test_grpc_over_tls_is_served_per_rpc_inside_the_tunnel(
     for name in ("grpc_proxy", "https_proxy", "http_proxy", "no_grpc_proxy", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.upper(), raising=False)
-    proxy = make_proxy(allow=["plain.test"], extra=_leaf_toml(crew_ca, tmp_path, "plain.test"))
+    proxy = make_proxy(allow=["plain.test"], extra=leaf_toml(crew_ca, tmp_path, "plain.test"))
     credentials = grpc.ssl_channel_credentials(root_certificates=crew_ca.cert_pem)
     options = [("grpc.http_proxy", proxy.url)]
     target = f"plain.test:{grpc_tls_server.port}"
@@ -378,7 +347,7 @@ def test_websocket_over_h2_inside_the_tunnel(
     thread.start()
     port = int(server.socket.getsockname()[1])
     try:
-        proxy = make_proxy(allow=["plain.test"], extra=_leaf_toml(crew_ca, tmp_path, "plain.test"))
+        proxy = make_proxy(allow=["plain.test"], extra=leaf_toml(crew_ca, tmp_path, "plain.test"))
         with TunnelWsClient(proxy, "plain.test", port, crew_ca_file) as client:
             ws = client.websocket(1, "/chat?x=1", scheme=b"https")
             assert ws.accepted() == 200
@@ -416,7 +385,7 @@ def test_bulk_bytes_both_ways_on_concurrent_streams(
     """Responses bigger than the windows and the socket buffers, on four streams at once: the
     session's writes wait for the agent (the TLS records a write could not finish go out whole
     and in order, or the agent's TLS would fail), and an upload is read as its window opens."""
-    proxy = make_proxy(extra=_leaf_toml(crew_ca, tmp_path, HOST))
+    proxy = make_proxy(extra=leaf_toml(crew_ca, tmp_path, HOST))
     provider.clear()
     size = 3_000_000
     client = TunnelH2(proxy, provider.port, crew_ca_file, window=4 * size)

@@ -310,11 +310,31 @@ def _plan_forward(
             return request.denied(exc.rule, str(exc), close=close_after_refusal(head))
     host, port = parsed
     request = Request(crew.name, crew.mode.value, "forward", method, host, port)
+    return _checked_forward(
+        head, crew, routes, request, path, tls=False, audit_blocked=audit_blocked, max_body=max_body
+    )
+
+
+def _checked_forward(
+    head: http1.RequestHead,
+    crew: CrewPolicy,
+    routes: Routes,
+    request: Request,
+    target: bytes,
+    *,
+    tls: bool,
+    audit_blocked: bool,
+    max_body: int,
+) -> Plan:
+    """A forward request to `request`'s (host, port) through every check: the name policy,
+    the crew's rules, the placeholders; then the plan, with the key injected on an exact
+    provider host. `tls`: for any other host (a provider host is always reached over TLS)."""
+    host, port = request.host, request.port
     refused = _check_policy(head, crew, request, audit_blocked=audit_blocked)
     if refused is not None:
         return refused
     if crew.rules:
-        refused = _check_rules(head, crew, request, host, path)
+        refused = _check_rules(head, crew, request, host, target)
         if refused is not None:
             return refused
     provider = routes.by_host.get(host)
@@ -331,10 +351,10 @@ def _plan_forward(
             provider.host,
             provider.port,
             True,
-            path,
+            target,
             max_body,
         )
-    return _forward(head, None, request, host, port, False, path, max_body)
+    return _forward(head, None, request, host, port, tls, target, max_body)
 
 
 def _plan_terminated(
@@ -381,29 +401,16 @@ def _plan_terminated(
                 "(domain fronting is refused); open a tunnel to that host instead",
                 close=True,
             )
-    refused = _check_policy(head, crew, request, audit_blocked=audit_blocked)
-    if refused is not None:
-        return refused
-    if crew.rules:
-        refused = _check_rules(head, crew, request, host, target)
-        if refused is not None:
-            return refused
-    provider = routes.by_host.get(host)
-    refused = _check_placeholders(head, request, provider.provider if provider else None)
-    if refused is not None:
-        return refused
-    if provider is not None:
-        return _forward(
-            head,
-            routes.for_crew(provider, crew.name),
-            request,
-            provider.host,
-            provider.port,
-            True,
-            target,
-            max_body,
-        )
-    return _forward(head, None, request, host, port, True, target, max_body)
+    return _checked_forward(
+        head,
+        crew,
+        routes,
+        request,
+        target,
+        tls=True,
+        audit_blocked=audit_blocked,
+        max_body=max_body,
+    )
 
 
 _AUTHORITIES: dict[bytes, tuple[str, int]] = {}
