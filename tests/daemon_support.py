@@ -268,6 +268,23 @@ resolve = {{ {resolve} }}
         lines = [line for line in text.splitlines() if line.strip()]
         return done.returncode, json.loads(lines[-1]) if lines else None
 
+    def kill_worker(self, index: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """SIGKILL proxy worker `index` and wait until its successor runs: (the victim's status
+        before, the whole status after)."""
+        _, before = self.ctl_json("status")
+        victim = before["proxy_workers"][index]
+        os.kill(victim["pid"], signal.SIGKILL)
+        for _ in range(300):
+            _, status = self.ctl_json("status")
+            worker = status["proxy_workers"][index]
+            if worker["restarts"] == victim["restarts"] + 1 and worker["pid"] not in (
+                None,
+                victim["pid"],
+            ):
+                return victim, status
+            time.sleep(0.05)
+        raise AssertionError(f"worker {index} not restarted: {status}")
+
     def wait_exit(self, timeout: float = 30) -> int:
         assert self.process is not None
         return self.process.wait(timeout=timeout)

@@ -9,8 +9,6 @@ side: tests/test_crew_tls.py."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -189,17 +187,7 @@ def test_crew_ca_trust_and_terminated_tunnels(appliance: Appliance, plain_host: 
     _check_tunnels(app, pid, gateway, bundle, ca)
 
     # A worker SIGKILLed: its successor is sent the crew and its leaves again.
-    _, before = app.ctl_json("status")
-    victim = before["proxy_workers"][0]
-    os.kill(victim["pid"], signal.SIGKILL)
-    for _ in range(300):
-        _, now = app.ctl_json("status")
-        worker = now["proxy_workers"][0]
-        if worker["restarts"] == 1 and worker["pid"] not in (None, victim["pid"]):
-            break
-        subprocess.run(["sleep", "0.05"])
-    else:
-        raise AssertionError("worker 0 not restarted")
+    app.kill_worker(0)
     for _ in range(4):  # whichever worker accepts, each holds the leaves
         _check_tunnels(app, pid, gateway, bundle, ca)
 

@@ -6,9 +6,6 @@ The unit side (spelling, validation, state, migration): tests/test_crew_rules.py
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 
 from appliance.demo_upstream import FakeServer
@@ -94,17 +91,7 @@ def test_rules_hold_through_the_proxy_and_a_restart(
     assert ["DELETE", "plain.test", "l7_method", 403] in [[r[2], r[3], r[5], r[6]] for r in refused]
 
     # A proxy worker that restarts is sent the crew again, its rules with it.
-    _, status_before = app.ctl_json("status")
-    victim = status_before["proxy_workers"][0]
-    os.kill(victim["pid"], signal.SIGKILL)
-    for _ in range(300):
-        _, now = app.ctl_json("status")
-        worker = now["proxy_workers"][0]
-        if worker["restarts"] == 1 and worker["pid"] not in (None, victim["pid"]):
-            break
-        subprocess.run(["sleep", "0.05"])
-    else:
-        raise AssertionError("worker 0 not restarted")
+    app.kill_worker(0)
     for _ in range(4):  # whichever worker accepts, each holds the rule
         _assert_refused_delete(app, name, gateway)
 
