@@ -169,3 +169,23 @@ def test_push_leaves_sends_only_the_sets_that_changed(tmp_path: Path) -> None:
     assert isinstance(first, control.CrewLeaves) and isinstance(second, control.CrewLeaves)
     assert first.crew == "crew" and [leaf.host for leaf in first.leaves] == ["a.test"]
     assert first.leaves[0].cert_pem != second.leaves[0].cert_pem
+
+
+def test_a_ca_near_its_end_is_replaced_and_a_failed_install_forgets_the_new_one(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path)
+    old = new_ca("crew", lifetime=datetime.timedelta(days=10))
+    with SecretValue(old.key_pem()) as key:
+        store.put_crew_ca("crew", old.cert_pem, key)
+    (tmp_path / "state").mkdir()
+    tls = CrewTLS(store, tmp_path / "state", _config(), system_bundle=tmp_path / "none")
+    trust, made = tls.ensure("crew")
+    assert made and trust.ca.read_bytes() != old.cert_pem  # replaced, not reused to its end
+    # A CA made by a call whose trust files cannot be written is not left in the store.
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the directory goes")
+    failing = CrewTLS(_store(tmp_path), blocked, _config(), system_bundle=tmp_path / "none")
+    with pytest.raises(OSError):
+        failing.ensure("other")
+    assert "other" not in failing.known()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from native.scrub import ComposedStream, Scrubber
 from native.scrub_fold import FoldStream, FoldTables
-from native.scrub_reference import ReferenceStream, Tables
+from native.scrub_reference import ReferenceStream
 from tests.conftest import needs
 
 try:
@@ -352,4 +352,3 @@ def test_the_reference_paths_remain() -> None:
     s = ref.stream()
     assert isinstance(s, ComposedStream) and isinstance(s.first, ReferenceStream)
     assert isinstance(s.second, FoldStream)
-    assert isinstance(Tables, type)

@@ -68,6 +68,9 @@ CA_VARIABLE = "NODE_EXTRA_CA_CERTS"
 # RENEW_EARLY (two rounds: a round late still renews it before the half).
 RENEW_INTERVAL = datetime.timedelta(hours=1)
 RENEW_EARLY = 2 * RENEW_INTERVAL
+# A CA closer than this to its end is replaced when the crew is (re)created: its trust is
+# written afresh then, and a CA past its end can sign no leaf.
+CA_RENEW_BEFORE = datetime.timedelta(days=30)
 assert RENEW_EARLY < LEAF_LIFETIME / 2
 
 
@@ -116,6 +119,14 @@ class CrewTLS:
         """The crew's CA (made now if it has none) and its trust files written afresh; whether
         the CA was made by this call (its undo removes it then, and only then)."""
         ca = self._ca(crew)
+        if ca is not None:
+            left = ca.cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+            if left < CA_RENEW_BEFORE:
+                # This call installs the trust afresh and the agent starts with it, so an
+                # expiring CA is replaced here; past its end it could sign no leaf at all.
+                log.warning("crew %s: its CA ends in %s; replacing it", crew, left)
+                self.forget(crew)
+                ca = None
         made = ca is None
         if ca is None:
             ca = new_ca(crew)
@@ -123,17 +134,22 @@ class CrewTLS:
                 self.store.put_crew_ca(crew, ca.cert_pem, key)
             self._caches[crew] = LeafCache(ca)
             log.info("crew %s: made its CA (valid until %s)", crew, ca.cert.not_valid_after_utc)
-        trust = self.trust(crew)
         try:
-            system = self.system_bundle.read_bytes()
-        except FileNotFoundError:
-            system = b""
-        if system and not system.endswith(b"\n"):
-            system += b"\n"
-        self.dir.mkdir(mode=0o700, exist_ok=True)
-        trust.ca.parent.mkdir(mode=0o755, exist_ok=True)
-        _write(trust.ca, ca.cert_pem)
-        _write(trust.bundle, system + ca.cert_pem)
+            trust = self.trust(crew)
+            try:
+                system = self.system_bundle.read_bytes()
+            except FileNotFoundError:
+                system = b""
+            if system and not system.endswith(b"\n"):
+                system += b"\n"
+            self.dir.mkdir(mode=0o700, exist_ok=True)
+            trust.ca.parent.mkdir(mode=0o755, exist_ok=True)
+            _write(trust.ca, ca.cert_pem)
+            _write(trust.bundle, system + ca.cert_pem)
+        except BaseException:
+            if made:  # the caller's undo runs only for what this call returned
+                self.forget(crew)
+            raise
         return trust, made
 
     def forget(self, crew: str) -> None:
@@ -174,6 +190,11 @@ class CrewTLS:
                 sent = await proxy.push_leaves(RENEW_EARLY)
             except Unavailable as exc:
                 log.error("renewing the crews' leaves: %s (again in %s)", exc, RENEW_INTERVAL)
+                continue
+            except Exception:
+                # Best effort: a round that fails for any other reason must not end applianced
+                # (this task runs in its main nursery); the leaves still valid keep serving.
+                log.exception("renewing the crews' leaves failed (again in %s)", RENEW_INTERVAL)
                 continue
             if sent:
                 log.info("renewed leaves sent for %d crew(s)", sent)

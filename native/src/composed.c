@@ -127,6 +127,13 @@ const composed_result *composed_feed(composed_stream *cs, const char *in, size_t
     r->rc = 0;
     r->stage = 1;
     if (atomic_exchange(&cs->busy, 1)) return fail(tw, SCRUB_EBUSY, 1);
+    /* Stage 2's work area before stage 1 consumes anything: failing to get it afterwards would
+     * leave stage 1's release neither given back nor passed on. */
+    if (cs->second && !tw->w2 && fold_work_new(&tw->w2) != FOLD_OK) {
+        tw->w2 = NULL;
+        atomic_store(&cs->busy, 0);
+        return fail(tw, FOLD_ENOMEM, 2);
+    }
 
     const char *o1;
     size_t n1, from, to;
@@ -178,11 +185,6 @@ const composed_result *composed_feed(composed_stream *cs, const char *in, size_t
         r->out = NULL;
         atomic_store(&cs->busy, 0);
         return r;
-    }
-    if (!tw->w2 && fold_work_new(&tw->w2) != FOLD_OK) {
-        tw->w2 = NULL;
-        atomic_store(&cs->busy, 0);
-        return fail(tw, FOLD_ENOMEM, 2);
     }
     const char *o2;
     size_t n2;
