@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from proxycore.protocol.l7 import (
     NotCanonical,
     RuleError,
     canonical_path,
+    compile_pattern,
 )
 from proxycore.protocol.plans import Forward, OpenTunnel, Refuse
 from proxycore.protocol.policy import Allowlist, CrewPolicy, NetworkMode
@@ -316,3 +318,49 @@ def test_rules_through_the_proxy_with_curl(
     assert sorted(e.rule for e in denied) == sorted(
         [RULE_METHOD, RULE_NOT_CANONICAL, RULE_PATH, RULE_PATH, RULE_REQUIRES_TERMINATION]
     )
+
+
+def _regex_oracle(pattern: str) -> re.Pattern[bytes]:
+    """The patterns' meaning written as a regex (what the matcher once was): `*` is `[^/]+`,
+    a `**` segment `(?:/[^/]+)*`, or `(?:/.*)?` when it is the last. Fine on short input."""
+    parts = []
+    segments = pattern.split("/")[1:]
+    for index, segment in enumerate(segments):
+        if segment == "**":
+            parts.append("(?:/.*)?" if index == len(segments) - 1 else "(?:/[^/]+)*")
+        else:
+            parts.append("/" + "[^/]+".join(re.escape(p) for p in segment.split("*")))
+    return re.compile("".join(parts).encode())
+
+
+SEGMENT_PIECES = st.sampled_from(["a", "b", "ab", "-", "*", "x"])
+PATTERN_SEGMENTS = st.one_of(
+    st.just("**"), st.lists(SEGMENT_PIECES, min_size=1, max_size=4).map("".join)
+).filter(lambda s: "**" not in s or s == "**")
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    st.lists(PATTERN_SEGMENTS, min_size=1, max_size=4),
+    st.lists(st.sampled_from(["a", "b", "ab", "a-b", "x", "-", "ba-x"]), max_size=5),
+    st.booleans(),
+)
+def test_the_matcher_means_what_the_regex_says(
+    pattern_segments: list[str], path_segments: list[str], trailing_slash: bool
+) -> None:
+    pattern = "/" + "/".join(pattern_segments)
+    path = ("/" + "/".join(path_segments) + ("/" if trailing_slash else "")).encode()
+    if b"//" in path:
+        return  # not canonical: refused before any pattern is tried
+    expected = _regex_oracle(pattern).fullmatch(path) is not None
+    assert compile_pattern(pattern).fullmatch(path) == expected, (pattern, path)
+
+
+@pytest.mark.parametrize("pattern", ["/*-*-*-*-x", "/**/**/**/x", "/a/**/*-*-*/**/b"])
+def test_patterns_cannot_hold_the_worker_on_a_long_path(pattern: str) -> None:
+    """A regex took seconds on these (backtracking): the matcher is linear per segment."""
+    rules = L7Rules([HostRule.make(HOST, paths=[pattern])])
+    for path in (b"/" + b"-" * 16000, b"/a" * 5000 + b"/y"):
+        started = time.perf_counter()
+        assert rules.check(HOST, b"GET", path) is not None
+        assert time.perf_counter() - started < 0.5

@@ -49,7 +49,9 @@ def leaf_context(host: str, cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
     cert_fd = _memory_file("leaf-cert", cert_pem)
     key_fd = _memory_file("leaf-key", key_pem)
     try:
-        context.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}")
+        # An empty password: an encrypted key fails at once instead of OpenSSL asking for a
+        # passphrase on a terminal the worker does not have.
+        context.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}", password=b"")
     except (ssl.SSLError, OSError) as exc:
         # ssl's messages name the failing step ("KEY_VALUES_MISMATCH", "PEM lib"), never the
         # key's bytes; the reason only, to be sure.

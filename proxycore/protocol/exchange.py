@@ -218,6 +218,8 @@ def _check_rules(
 ) -> Refuse | None:
     """The crew's method and path rules for `host` (proxycore.protocol.l7), on the target as it
     will be sent upstream."""
+    if not crew.rules.governs(host):  # before `head.headers`, which splits every field line
+        return None
     denied = crew.rules.check(host, head.method, target, head.headers)
     if denied is None:
         return None
@@ -267,15 +269,10 @@ def _plan_tunnel(
     refused = _check_policy(head, crew, request, audit_blocked=audit_blocked, close=True)
     if refused is not None:
         return refused
-    if host in leaves:
-        # Its requests will be read, so held to the rules one by one (`_plan_terminated`):
-        # termination replaces the refusal of a ruled host's tunnel.
-        route = routes.by_host.get(host)
-        refused = _check_placeholders(head, request, route.provider if route else None, close=True)
-        if refused is not None:
-            return refused
-        return TerminateTunnel(request, host, port)
-    if crew.rules:
+    terminated = host in leaves
+    if not terminated and crew.rules:
+        # Its requests could not be read: a ruled host's tunnel is refused. With a leaf they
+        # are read, and held to the rules one by one (`_plan_terminated`).
         denied = crew.rules.tunnel_denied(host)
         if denied is not None:
             return request.denied(denied.rule, denied.message, close=True)
@@ -283,7 +280,7 @@ def _plan_tunnel(
     refused = _check_placeholders(head, request, route.provider if route else None, close=True)
     if refused is not None:
         return refused
-    return OpenTunnel(request, host, port)
+    return TerminateTunnel(request, host, port) if terminated else OpenTunnel(request, host, port)
 
 
 def _plan_forward(

@@ -192,23 +192,76 @@ def _unescape_all(segment: bytes) -> bytes:
     return re.sub(rb"%([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), segment)
 
 
-def _matcher(pattern: str) -> re.Pattern[bytes]:
-    """A canonical pattern as a regex over canonical paths."""
-    parts: list[str] = []
-    segments = pattern.split("/")[1:]
-    for index, segment in enumerate(segments):
-        if segment == "**":
-            # Any number of segments, none included: "/a/**" matches "/a", "/a/" and below.
-            parts.append("(?:/.*)?" if index == len(segments) - 1 else "(?:/[^/]+)*")
-            continue
-        if "**" in segment:
-            raise RuleError(f"path pattern {pattern!r}: ** must be a whole segment")
-        pieces = [re.escape(piece) for piece in segment.split("*")]
-        parts.append("/" + "[^/]+".join(pieces))
-    return re.compile("".join(parts).encode("ascii"))
+_ANY_SEGMENTS = None  # a `**` segment in a PathPattern's list
 
 
-def compile_pattern(pattern: str) -> re.Pattern[bytes]:
+class PathPattern:
+    """A canonical pattern, matched segment by segment in time linear in the path for each
+    pattern segment: no regex, whose backtracking on `/*-*-*-x` or `/**/**/x` against a long
+    path would hold the worker's event loop for seconds (every crew it serves)."""
+
+    __slots__ = ("_segments",)
+
+    def __init__(self, pattern: str) -> None:
+        segments: list[bytes | None] = []
+        for segment in pattern.encode("ascii").split(b"/")[1:]:
+            if segment == b"**":
+                segments.append(_ANY_SEGMENTS)
+            elif b"**" in segment:
+                raise RuleError(f"path pattern {pattern!r}: ** must be a whole segment")
+            else:
+                segments.append(segment)
+        self._segments = segments
+
+    def fullmatch(self, path: bytes) -> bool:
+        """Whether the canonical `path` matches: a `**` takes any number of segments (none
+        included; the last one also takes a trailing slash and what follows), each other
+        segment exactly one path segment. The classic wildcard walk, with `**` as the star and
+        whole segments as its letters: it only ever goes back to the last `**`."""
+        pats, segs = self._segments, path.split(b"/")[1:]
+        i = j = 0
+        star, mark = -1, 0
+        while j < len(segs):
+            if i < len(pats) and pats[i] is _ANY_SEGMENTS:
+                if i == len(pats) - 1:
+                    return True
+                star, mark = i, j
+                i += 1
+                continue
+            if i < len(pats) and _segment_matches(pats[i], segs[j]):  # type: ignore[arg-type]
+                i += 1
+                j += 1
+                continue
+            if star >= 0 and segs[mark]:  # a non-last `**` takes non-empty segments only
+                mark += 1
+                i, j = star + 1, mark
+                continue
+            return False
+        while i < len(pats) and pats[i] is _ANY_SEGMENTS:
+            i += 1
+        return i == len(pats)
+
+
+def _segment_matches(pattern: bytes, segment: bytes) -> bool:
+    """One pattern segment against one path segment; each `*` stands for one or more bytes.
+    The parts between stars are found leftmost, in order: linear in the segment per part."""
+    if b"*" not in pattern:
+        return pattern == segment
+    parts = pattern.split(b"*")
+    first, last = parts[0], parts[-1]
+    if not segment.startswith(first) or not segment.endswith(last):
+        return False
+    pos, end = len(first), len(segment) - len(last)
+    for middle in parts[1:-1]:
+        # At least one byte for the star before it, and one left for the star after it.
+        found = segment.find(middle, pos + 1, end - 1)
+        if found < 0:
+            return False
+        pos = found + len(middle)
+    return end - pos >= 1
+
+
+def compile_pattern(pattern: str) -> PathPattern:
     """An operator's path pattern, checked and compiled; `RuleError` names the problem."""
     if not isinstance(pattern, str) or not pattern.startswith("/"):
         raise RuleError(f"path pattern {pattern!r}: must start with /")
@@ -230,7 +283,7 @@ def compile_pattern(pattern: str) -> re.Pattern[bytes]:
             f"path pattern {pattern!r}: write escapes of letters, digits and -._~ as the "
             "characters, other escapes in upper case"
         )
-    return _matcher(pattern)
+    return PathPattern(pattern)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +293,7 @@ class HostRule:
     host: str
     methods: frozenset[str] | None
     paths: tuple[str, ...]
-    _compiled: tuple[re.Pattern[bytes], ...]
+    _compiled: tuple[PathPattern, ...]
 
     @classmethod
     def make(
@@ -303,9 +356,6 @@ class L7Rules:
     def governs(self, host: str) -> bool:
         """Whether requests to `host` are held to rules (then a tunnel to it is refused)."""
         return host in self._by_host
-
-    def hosts(self) -> tuple[str, ...]:
-        return tuple(self._by_host)
 
     def tunnel_denied(self, host: str) -> L7Denied | None:
         if host not in self._by_host:
