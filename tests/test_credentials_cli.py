@@ -37,6 +37,8 @@ def leak_through_proxy(app: Appliance, crew: str, gateway: str) -> str:
         f"nc -w 30 {gateway} {app.port}"
     )
     done = app.ctl("run", crew, "--", "sh", "-c", raw)
+    # Said in full if it fails: a run that never reached the proxy, or the proxy's refusal.
+    assert "HTTP/1.1" in done.stdout, (done, app.log_text()[-6000:])
     return done.stdout
 
 
@@ -96,6 +98,7 @@ def test_cred_commands_through_a_real_daemon(
     assert code == 0 and granted["credential"]["grants"][0]["crew"] == crew
     provider.clear()
     body = leak_through_proxy(app, crew, gateway)
+    assert provider.received, (body, app.log_text()[-6000:])
     assert provider.last().all("x-api-key") == [KEY_ONE]
     assert "401" in body and KEY_ONE not in body
 
