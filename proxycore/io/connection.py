@@ -48,6 +48,7 @@ from proxycore.io.http2 import (
 from proxycore.io.keeper_client import serve_keeper
 from proxycore.io.progress import RECV_SIZE, Phase, Progress, Refused
 from proxycore.io.terminate import TerminatedTunnel, serve_terminated
+from proxycore.io.transparent import Transparent, first_head, refusal_for_tls
 from proxycore.io.tunnel import serve_tunnel
 from proxycore.io.upstream import UpstreamConnection
 from proxycore.io.websocket import serve_websocket
@@ -99,11 +100,18 @@ class ClientConnection:
         "scope",
         "stream",
         "terminated",
+        "transparent",
         "tunnel",
         "upstream",
     )
 
-    def __init__(self, runtime: ProxyRuntime, stream: PlainStream, crew: CrewState) -> None:
+    def __init__(
+        self,
+        runtime: ProxyRuntime,
+        stream: PlainStream,
+        crew: CrewState,
+        transparent: Transparent | None = None,
+    ) -> None:
         self.runtime = runtime
         self.stream = stream
         self.crew = crew
@@ -130,6 +138,9 @@ class ClientConnection:
         # which every request read from now on is planned against, and the tunnel itself.
         self.tunnel: tuple[str, int] | None = None
         self.terminated: TerminatedTunnel | None = None
+        # Redirected to the proxy by the kernel (proxycore/io/transparent.py): where it was
+        # going. Its first request is read from its first bytes, not from a CONNECT line.
+        self.transparent = transparent
 
     def end(self, reason: str) -> None:
         """End this connection from outside (its crew was removed)."""
@@ -258,7 +269,16 @@ class ClientConnection:
             self.response_started = False
             self.progress = None
             try:
-                head = await self.read_head() if self.pipe is None else self._stream_head()
+                if self.pipe is not None:
+                    head = self._stream_head()
+                elif self.transparent is not None and self.requests == 0:
+                    head = await first_head(self)
+                else:
+                    head = await self.read_head()
+            except Refused as refused:
+                # A captured connection refused from its first bytes (transparent.py).
+                self.progress = Progress(_request_of(refused.plan, self.crew), self.head_started)
+                return self._refusal_bytes(refused.plan)
             except PrefaceReceived:
                 await serve_http2(self)
                 return None
@@ -304,6 +324,8 @@ class ClientConnection:
             max_body=self.limits.max_body_bytes,
             leaves=crew.leaves,
             tunnel=self.tunnel,
+            # Only a captured cleartext connection is planned against its host in the clear.
+            tunnel_tls=self.transparent is None or self.transparent.tls,
         )
         if isinstance(plan, Forward):
             self.progress = Progress(
@@ -426,6 +448,10 @@ class ClientConnection:
         if self.progress is not None:
             self.progress = None
             self.emit(plan.event)
+        captured = self.transparent
+        if captured is not None and captured.tls and self.terminated is None:
+            # A TLS client that never asked for a proxy reads no HTTP: an alert.
+            return refusal_for_tls(plan)
         return refusal(plan.status, self._scrubbed(plan.body), close=plan.close)
 
     def _scrubbed(self, body: Refusal) -> Refusal:

@@ -32,6 +32,7 @@ from proxycore.io.connection import ClientConnection
 from proxycore.io.control_server import serve_control_channel, serve_control_socket
 from proxycore.io.fastio import LINGER_SECONDS, PlainStream, lingering_close
 from proxycore.io.sinks import BatchingSink, EventSink
+from proxycore.io.transparent import original_destination
 from proxycore.protocol.events import RequestRefused
 from proxycore.protocol.refusals import Refusal, refusal
 from proxycore.protocol.scrubbing import scrub_json_lines
@@ -90,7 +91,8 @@ class Acceptor:
         stream = PlainStream.adopt(sock)
         try:
             stream.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            local = str(stream.sock.getsockname()[0]).split("%", 1)[0]
+            local_address = stream.sock.getsockname()
+            local = str(local_address[0]).split("%", 1)[0]
         except OSError:
             stream.close()
             return
@@ -127,7 +129,8 @@ class Acceptor:
         runtime.connections += 1
         crew.connections += 1
         try:
-            await ClientConnection(runtime, stream, crew).run()
+            captured = original_destination(stream.sock, local, local_address[1])
+            await ClientConnection(runtime, stream, crew, captured).run()
         finally:
             runtime.connections -= 1
             crew.connections -= 1

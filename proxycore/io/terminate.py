@@ -307,7 +307,8 @@ async def serve_terminated(conn: ClientConnection, plan: TerminateTunnel) -> boo
     stream = TerminatedStream(plain, context, prefix)
     tunnel = conn.terminated = TerminatedTunnel(runtime.tunnel_ids, plan.host, plan.port, stream)
     conn.response_started = True
-    await plain.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+    if conn.transparent is None:  # a captured connection asked for no tunnel
+        await plain.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
     # The handshake is held to the head timeout, as a request head is: a client that stalls
     # in it is cut (the reaper cancels the connection; `tunnel_closed` says "head timeout").
     conn.phase = Phase.HEAD

@@ -288,7 +288,8 @@ async def _relay_tunnel(conn: ClientConnection, plan: OpenTunnel, sock: socket.s
     stats = TunnelStats(reason="error")
     try:
         conn.response_started = True
-        await conn.stream.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        if conn.transparent is None:  # a captured connection asked for no tunnel
+            await conn.stream.send_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         prefix = bytes(conn.buffer)
         conn.buffer.clear()
         # The tunnel has its own idle deadline; lift the connection's.

@@ -123,14 +123,22 @@ def plan_request(
     max_body: int,
     leaves: Container[str] = (),
     tunnel: tuple[str, int] | None = None,
+    tunnel_tls: bool = True,
 ) -> Plan:
     """What to do with one request from `crew` (see the module docstring).
 
     `leaves`: the hosts the crew holds a leaf for (a CONNECT to one is terminated). `tunnel`:
-    the request was read inside a terminated tunnel to (host, port)."""
+    the request was read inside a terminated tunnel to (host, port), or (`tunnel_tls` False)
+    on a captured cleartext connection to that host (proxycore/io/transparent.py)."""
     if tunnel is not None:
         return _plan_terminated(
-            head, crew, routes, tunnel, audit_blocked=audit_blocked, max_body=max_body
+            head,
+            crew,
+            routes,
+            tunnel,
+            audit_blocked=audit_blocked,
+            max_body=max_body,
+            tls=tunnel_tls,
         )
     target = head.target
     if target[:7].lower() == b"http://" and head.method != b"CONNECT":
@@ -362,10 +370,12 @@ def _plan_terminated(
     *,
     audit_blocked: bool,
     max_body: int,
+    tls: bool = True,
 ) -> Plan:
     """A request read inside a terminated tunnel: a forward request to the tunnel's (host,
     port) over verified TLS, through every check a forward request passes (the name policy
-    again, since it may have changed since the CONNECT; the rules; the placeholders)."""
+    again, since it may have changed since the CONNECT; the rules; the placeholders). With
+    `tls` False, a request on a captured cleartext connection: the same, over plain HTTP."""
     host, port = tunnel
     method = head.method.decode("ascii", "replace")
     request = Request(crew.name, crew.mode.value, "forward", method, host, port)
@@ -404,7 +414,7 @@ def _plan_terminated(
         routes,
         request,
         target,
-        tls=True,
+        tls=tls,
         audit_blocked=audit_blocked,
         max_body=max_body,
     )
