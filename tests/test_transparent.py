@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 import trustme
 
-from tests.conftest import ROOT, RunningProxy, free_port, start_proxy
+from appliance.crew_ca import new_ca
+from tests.conftest import ROOT, RunningProxy, free_port, leaf_toml, start_proxy
 
 pytestmark = pytest.mark.netns
 
 UPSTREAM, CANARY, DNS = "1.1.2.2", "1.1.2.3", "1.1.2.53"
 TOOL_UID = 65534
-PLAN = {"allowed.test": [[UPSTREAM]], "other.test": [[UPSTREAM]]}
+PLAN = {"allowed.test": [[UPSTREAM]], "other.test": [[UPSTREAM]], "leafed.test": [[UPSTREAM]]}
 
 # HTTP on 80 and TLS on 443 at each address; every request is logged "ADDRESS:PORT <- LINE"
 # and answered with the address and the Host it named.
@@ -113,14 +114,17 @@ class World:
     proxy: RunningProxy
     log: Path
     ca: Path
+    crew_ca: Path
 
-    def tool(self, address: str, port: int, raw: str, sni: str = "-") -> str:
+    def tool(
+        self, address: str, port: int, raw: str, sni: str = "-", ca: Path | None = None
+    ) -> str:
         """The proxy-ignoring tool, as UID 65534 in the host namespace."""
         done = subprocess.run(
             [
                 "ip", "netns", "exec", self.host,
                 "setpriv", f"--reuid={TOOL_UID}", f"--regid={TOOL_UID}", "--clear-groups",
-                sys.executable, "-c", TOOL, address, str(port), sni, str(self.ca), raw,
+                sys.executable, "-c", TOOL, address, str(port), sni, str(ca or self.ca), raw,
             ],
             capture_output=True,
             text=True,
@@ -146,7 +150,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         pytest.skip("needs setpriv (util-linux)")
     tmp = tmp_path_factory.mktemp("transparent")
     ca = trustme.CA()
-    leaf = ca.issue_cert("allowed.test", "other.test")
+    leaf = ca.issue_cert("allowed.test", "other.test", "leafed.test")
     # The tool (UID 65534) reads the CA: a directory of its own outside pytest's (0700) tree.
     readable = Path(tempfile.mkdtemp(prefix="apx-transparent-"))
     readable.chmod(0o755)
@@ -154,6 +158,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     leaf.private_key_and_cert_chain_pem.write_to_path(str(cert))
     leaf.private_key_pem.write_to_path(str(key))
     ca.cert_pem.write_to_path(str(ca_path))
+    # The crew's own CA, and its leaf for leafed.test: that host's captured TLS is terminated.
+    crew_ca = new_ca("alpha")
+    crew_ca_path = readable / "crew-ca.pem"
+    crew_ca_path.write_bytes(crew_ca.cert_pem)
+    for path in (readable / "ca.pem", crew_ca_path):
+        path.touch()
+        path.chmod(0o644)
     os.chmod(ca_path, 0o644)
     tag = uuid.uuid4().hex[:6]
     host, internet = f"apx-tph-{tag}", f"apx-tpi-{tag}"
@@ -216,7 +227,12 @@ port = {port}
 name = "alpha"
 gateway = "127.0.0.1"
 mode = "restricted"
-allow = ["allowed.test"]
+allow = ["allowed.test", "leafed.test"]
+{leaf_toml(crew_ca, tmp, "leafed.test")}
+[[crew.rules]]
+host = "leafed.test"
+methods = ["GET"]
+paths = ["/ok"]
 [upstream]
 nameservers = ["{DNS}"]
 dns_timeout = 2.0
@@ -230,7 +246,7 @@ flush_interval = 0.05
 """)
         proxy = start_proxy(config, host="127.0.0.1", port=port, events=events, netns=host)
         try:
-            yield World(host, tmp, proxy, log, ca_path)
+            yield World(host, tmp, proxy, log, ca_path, crew_ca_path)
         finally:
             proxy.stop()
     finally:
@@ -296,6 +312,27 @@ def test_captured_tls_is_relayed_untouched_to_an_allowed_name(world: World) -> N
     assert f"{UPSTREAM}:443 <- GET /t HTTP/1.1" in world.recorded()
     opened = [e for e in world.events() if e.get("event") == "tunnel_opened"]
     assert opened and opened[-1]["host"] == "allowed.test" and opened[-1]["port"] == 443
+
+
+def test_captured_tls_to_a_host_with_a_leaf_is_terminated_and_held_to_its_rules(
+    world: World,
+) -> None:
+    # The tool trusts the crew's CA only: a success proves the proxy terminated its TLS, and the
+    # request went on to the upstream over TLS the proxy verified.
+    ok = "GET /ok HTTP/1.1\\r\\nHost: leafed.test\\r\\nConnection: close\\r\\n\\r\\n"
+    out = world.tool(UPSTREAM, 443, ok, "leafed.test", world.crew_ca)
+    assert out.startswith("HTTP/1.1 200") and out.endswith(f"{UPSTREAM} leafed.test"), out
+    assert f"{UPSTREAM}:443 <- GET /ok HTTP/1.1" in world.recorded()
+    # Inside, the method and path rules hold, and their refusal is HTTP the tool can read.
+    before = len(world.events())
+    post = (
+        "POST /ok HTTP/1.1\\r\\nHost: leafed.test\\r\\ncontent-length: 0\\r\\n"
+        "Connection: close\\r\\n\\r\\n"
+    )
+    out = world.tool(UPSTREAM, 443, post, "leafed.test", world.crew_ca)
+    assert out.startswith("HTTP/1.1 403") and "method" in out, out
+    assert not [line for line in world.recorded() if "POST /ok" in line]
+    assert [e["rule"] for e in refused(world.events(before))] == ["l7_method"]
 
 
 @pytest.mark.parametrize(
