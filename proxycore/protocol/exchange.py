@@ -392,7 +392,8 @@ def _plan_terminated(
     named = head.get(b"host")
     if named is not None:
         try:
-            named_host, _ = parse_authority(named, 443)
+            # Only the host is compared, so the forward memo (default port 80) serves.
+            named_host, _ = _AUTHORITIES.get(named) or _parse_forward_authority(named)
         except PolicyDenied as exc:
             return request.refused(400, "bad_request", f"bad Host field: {exc}", close=True)
         if named_host != host:
