@@ -6,6 +6,7 @@ daemon's side is tests/test_approvals_cli.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from appliance.daemon.approvals import MAX_ENTRIES, ApprovalBook, check_host
 from appliance.daemon.config import parse_config as parse_daemon_config
 from appliance.daemon.errors import ConfigInvalid, CrewBusy, InvalidRequest
+from appliance.daemon.state import SCHEMA_VERSION, StateStore
 from appliance.journal import entries as E
 from proxycore import control
 from proxycore.config import parse_config
@@ -306,3 +308,28 @@ def test_approval_entries_round_trip() -> None:
         assert E.decode(E.encode(entry)) == entry
         assert entry.summary().startswith("approval")
         assert str(type(entry).__struct_config__.tag) in E.ENTRY_TYPES
+
+
+def test_the_state_keeps_grants_and_denials(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    try:
+        store.approval_set("c", "once", "a.test", 100.0)
+        store.approval_set("c", "denied", "a.test", 200.0)  # replaces the grant for that host
+        store.approval_set("c", "once", "b.test", 300.0)
+        store.approval_set("d", "once", "a.test", 50.0)
+        assert store.approvals() == [
+            ("d", "once", "a.test", 50.0),
+            ("c", "denied", "a.test", 200.0),
+            ("c", "once", "b.test", 300.0),
+        ]
+        assert store.approvals_expire(200.0) == 2
+        store.approval_delete("c", "b.test")
+        assert store.approvals() == []
+    finally:
+        store.close()
+    # Created again at a start where it is missing; the schema version is not touched.
+    again = StateStore(tmp_path)
+    try:
+        assert again._meta("schema_version") == str(SCHEMA_VERSION)
+    finally:
+        again.close()

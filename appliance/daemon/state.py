@@ -72,7 +72,8 @@ CREATE TABLE IF NOT EXISTS crews (
 );
 -- Run-time approvals (approvals.py) in force: hosts a crew may reach until `until` ("once"),
 -- and hosts the operator denied until then ("denied"). Additive: created at any start where it
--- is missing, whatever the schema version; an older applianced ignores it.
+-- is missing, whatever the schema version. An older applianced ignores it.
+-- (No semicolon in these comments: the schema is split on them.)
 CREATE TABLE IF NOT EXISTS approvals (
     crew TEXT NOT NULL,
     kind TEXT NOT NULL,           -- "once" or "denied"
