@@ -11,14 +11,17 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from appliance.daemon.approvals import MAX_ENTRIES, ApprovalBook, check_host
+from appliance.daemon import messages
+from appliance.daemon.approvals import MAX_ENTRIES, ApprovalBook, Approvals, check_host
+from appliance.daemon.config import ApprovalsSection
 from appliance.daemon.config import parse_config as parse_daemon_config
-from appliance.daemon.errors import ConfigInvalid, CrewBusy, InvalidRequest
-from appliance.daemon.state import SCHEMA_VERSION, StateStore
+from appliance.daemon.errors import ConfigInvalid, CrewBusy, CrewNotFound, InvalidRequest
+from appliance.daemon.state import SCHEMA_VERSION, CrewPhase, CrewRow, StateStore
 from appliance.journal import entries as E
 from proxycore import control
 from proxycore.config import parse_config
 from proxycore.io.sinks import MemorySink
+from proxycore.protocol import events as pe
 from proxycore.protocol import http1
 from proxycore.protocol.credentials import Routes
 from proxycore.protocol.exchange import plan_request
@@ -333,3 +336,132 @@ def test_the_state_keeps_grants_and_denials(tmp_path: Path) -> None:
         assert again._meta("schema_version") == str(SCHEMA_VERSION)
     finally:
         again.close()
+
+
+# -- the service, with applianced around it faked ---------------------------------------------
+
+
+class FakeProxy:
+    def __init__(self) -> None:
+        self.crews: dict[str, object] = {"c": object(), "n": object()}
+        self.pushed: list[str] = []
+
+    async def push_approvals(self, name: str) -> None:
+        self.pushed.append(name)
+
+
+class FakeRecorder:
+    def __init__(self) -> None:
+        self.entries: list[E.Entry] = []
+
+    async def record(self, entry: E.Entry) -> None:
+        self.entries.append(entry)
+
+
+class FakeCrews:
+    def __init__(self) -> None:
+        self.allowed: list[tuple[str, str]] = []
+
+    async def allow(self, name: str, host: str) -> bool:
+        self.allowed.append((name, host))
+        return True
+
+    def effective_allow(self, row: CrewRow) -> tuple[messages.AllowEntry, ...]:
+        return (messages.AllowEntry("api.anthropic.com", ("default",)),)
+
+
+def service(tmp_path: Path, clock: Clock) -> tuple[Approvals, FakeProxy, FakeRecorder, StateStore]:
+    store = StateStore(tmp_path)
+    for name, mode in (("c", "restricted"), ("n", "none")):
+        store.insert(
+            CrewRow(name, mode, (), "runc", 1 << 28, 1.0, CrewPhase.READY, clock.now, clock.now)
+        )
+    proxy, recorder = FakeProxy(), FakeRecorder()
+    approvals = Approvals(
+        ApprovalsSection(window=60),
+        store,
+        proxy,  # type: ignore[arg-type]
+        recorder,  # type: ignore[arg-type]
+        FakeCrews(),  # type: ignore[arg-type]
+        clock=clock,
+    )
+    return approvals, proxy, recorder, store
+
+
+def denied_event(crew: str, host: str, rule: str = RULE_NOT_IN_ALLOWLIST) -> pe.RequestDenied:
+    return pe.RequestDenied(
+        crew=crew, mode="restricted", route="forward", method="GET", host=host, port=80,
+        rule=rule, status=403,
+    )  # fmt: skip
+
+
+async def test_the_service_files_answers_pushes_and_reloads(tmp_path: Path) -> None:
+    clock = Clock()
+    approvals, proxy, recorder, store = service(tmp_path, clock)
+    entry = approvals.on_refused(denied_event("c", "a.test"))
+    assert isinstance(entry, E.ApprovalRequested) and entry.expires == clock.now + 60
+    assert approvals.on_refused(denied_event("c", "a.test")) is None
+    assert approvals.on_refused(denied_event("c", "b.test", rule="ssrf_local")) is None
+    assert approvals.on_refused(denied_event("gone", "a.test")) is None
+    listing = await approvals.listing(since=0, wait=0.01)
+    assert [r.host for r in listing.requests] == ["a.test"] and listing.seq == 1
+    assert (await approvals.listing(since=1, wait=0.01)).requests == ()
+
+    once = messages.ApprovalDecision(host="A.test", once=True, duration=30, by="ops")
+    result = await approvals.allow("c", once)
+    assert result.decision == "allowed_once" and result.was_pending and result.until == 1_000_030
+    assert proxy.pushed == ["c"] and store.approvals() == [("c", "once", "a.test", 1_000_030)]
+    assert approvals.source("c") == control.CrewApprovals(
+        crew="c", grants=(control.HostUntil("a.test", 1_000_030),)
+    )
+    allowed = recorder.entries[-1]
+    assert isinstance(allowed, E.ApprovalAllowed) and allowed.once and allowed.by == "ops"
+
+    result = await approvals.deny("c", messages.ApprovalDecision(host="a.test"))
+    assert result.decision == "denied" and store.approvals() == [
+        ("c", "denied", "a.test", 1_000_060)
+    ]
+    assert approvals.source("c") == control.CrewApprovals(
+        crew="c", denied=(control.HostUntil("a.test", 1_000_060),)
+    )
+
+    # What the next applianced loads (ended and orphaned rows go).
+    store.approval_set("c", "once", "b.test", clock.now - 1)
+    store.approval_set("gone", "once", "b.test", clock.now + 99)
+    fresh = Approvals(
+        ApprovalsSection(window=60),
+        store,
+        proxy,
+        recorder,
+        FakeCrews(),
+        clock=clock,  # type: ignore[arg-type]
+    )
+    fresh.load()
+    assert fresh.source("c") == approvals.source("c") and fresh.source("gone") is None
+    assert store.approvals() == [("c", "denied", "a.test", 1_000_060)]
+
+    # Permanent: the crew's allowlist; the denial gives way, and the workers are told.
+    proxy.pushed.clear()
+    result = await approvals.allow("c", messages.ApprovalDecision(host="a.test"))
+    assert result.decision == "allowed" and approvals.source("c") is None
+    assert proxy.pushed == ["c"] and store.approvals() == []
+
+    for call, decision, error in (
+        (approvals.allow, messages.ApprovalDecision(host="x.test", once=True), CrewBusy),
+        (approvals.deny, messages.ApprovalDecision(host="x.test"), CrewBusy),
+    ):
+        with pytest.raises(error, match="mode none"):
+            await call("n", decision)
+    with pytest.raises(CrewNotFound):
+        await approvals.allow("nobody", messages.ApprovalDecision(host="x.test"))
+    with pytest.raises(CrewBusy, match="allowlist"):
+        await approvals.deny("c", messages.ApprovalDecision(host="api.anthropic.com"))
+    for decision, named in (
+        (messages.ApprovalDecision(host="x.test", once=True, duration=0), "argument duration"),
+        (messages.ApprovalDecision(host="x.test", once=True, duration=1e9), "argument duration"),
+        (messages.ApprovalDecision(host="x.test", duration=5), "argument duration"),
+        (messages.ApprovalDecision(host="x..test"), "argument host"),
+    ):
+        with pytest.raises(InvalidRequest, match=named):
+            await approvals.allow("c", decision)
+    store.close()

@@ -49,7 +49,13 @@ from appliance.journal import entries as E
 from proxycore import control, logs
 from proxycore.errors import PolicyDenied
 from proxycore.protocol import events as pe
-from proxycore.protocol.policy import RULE_NOT_IN_ALLOWLIST, Allowlist, normalize_host
+from proxycore.protocol.policy import (
+    RULE_NOT_IN_ALLOWLIST,
+    Allowlist,
+    NetworkMode,
+    normalize_host,
+    parse_mode,
+)
 
 from . import messages
 from .errors import CrewBusy, CrewNotFound, DaemonError, InvalidRequest, Unavailable
@@ -332,10 +338,12 @@ class Approvals:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def on_refused(self, event: pe.RequestDenied) -> None:
-        """Told of every `request_denied` event as the journal ingests it (must not block)."""
+    def on_refused(self, event: pe.RequestDenied) -> E.Entry | None:
+        """Told of every `request_denied` event as the journal ingests it (must not block);
+        the entry to journal when a request was filed (the ingest submits it as it does the
+        proxy's own, waiting for room rather than losing it)."""
         if event.rule != RULE_NOT_IN_ALLOWLIST or event.crew not in self.proxy.crews:
-            return
+            return None
         filed, dropped = self.book.note(event.crew, event.host, event.port)
         for request in dropped:
             log.warning(
@@ -348,17 +356,15 @@ class Approvals:
                 extra={"crew": request.crew},
             )
         if filed is None:
-            return
-        self.recorder.record_nowait(
-            E.ApprovalRequested(
-                crew=filed.crew,
-                host=filed.host,
-                port=filed.port,
-                expires=filed.last_seen + self.book.window,
-            )
-        )
+            return None
         self._filed.set()
         self._filed = trio.Event()
+        return E.ApprovalRequested(
+            crew=filed.crew,
+            host=filed.host,
+            port=filed.port,
+            expires=filed.last_seen + self.book.window,
+        )
 
     async def listing(
         self, crew: str | None = None, since: int = 0, wait: float = 0.0
@@ -388,7 +394,7 @@ class Approvals:
     async def allow(
         self, crew: str, decision: messages.ApprovalDecision
     ) -> messages.ApprovalResult:
-        self._crew(crew)
+        row = self._crew(crew)
         host = check_host(decision.host)
         peer = logs.context_value("admin_peer")
         if not decision.once:
@@ -408,6 +414,7 @@ class Approvals:
             return messages.ApprovalResult(
                 crew=crew, host=host, decision="allowed", changed=changed, was_pending=was_pending
             )
+        self._restricted(row, "a grant")
         duration = self.section.once if decision.duration is None else decision.duration
         if not math.isfinite(duration) or not 0 < duration <= self.section.max_once:
             raise InvalidRequest(
@@ -435,6 +442,7 @@ class Approvals:
         host = check_host(decision.host)
         if decision.once or decision.duration is not None:
             raise InvalidRequest("argument once: a denial lasts the window ([approvals] window)")
+        self._restricted(row, "a denial")
         if any(entry.host == host for entry in self.crews.effective_allow(row)):
             # The allowlist decides before any denial: saying "denied" would be untrue.
             raise CrewBusy(
@@ -456,16 +464,24 @@ class Approvals:
             crew=crew, host=host, decision="denied", until=until, was_pending=was_pending
         )
 
+    @staticmethod
+    def _restricted(row: CrewRow, what: str) -> None:
+        """Only a restricted crew's refusals consult grants and denials (mode none refuses
+        every host whatever they say, mode free none)."""
+        mode, _ = parse_mode(row.mode)
+        if mode is not NetworkMode.RESTRICTED:
+            raise CrewBusy(
+                f"crew {row.name!r} is in mode {mode.value}: {what} applies to a restricted crew"
+            )
+
     def _entries(self, crew: str, host: str) -> bool:
         return host in self.book.grants.get(crew, {}) or host in self.book.denied.get(crew, {})
 
     async def _push(self, crew: str) -> None:
         """The crew's whole set to every worker (not served right now: it goes with the crew
         when it is). A refusal is the caller's error; the state keeps the change."""
-        if crew not in self.proxy.crews:
-            return
         try:
-            await self.proxy.set_approvals(self.book.message(crew))
+            await self.proxy.push_approvals(crew)
         except Unavailable as exc:
             raise ApprovalNotInEffect(f"stored, but not confirmed by the proxy: {exc}") from None
 

@@ -551,16 +551,21 @@ class ProxyPool:
     def _approvals(self, name: str) -> control.CrewApprovals | None:
         return None if self.approvals_source is None else self.approvals_source(name)
 
-    async def set_approvals(self, message: control.CrewApprovals) -> None:
-        """A crew's whole set of grants and denials to every worker. A worker that does not
-        apply it is killed (it restarts with the set from `approvals_source`): a grant a
-        denial has ended must not live on in one worker. Unavailable if any refused."""
+    async def push_approvals(self, name: str) -> None:
+        """The crew's whole set of grants and denials, read from `approvals_source` under the
+        lock (so two answers in a row reach the workers in the order of their sets, never an
+        older set last), to every worker. A worker that does not apply it is killed (it
+        restarts with the set from the source): a grant a denial has ended must not live on
+        in one worker. Unavailable if any refused."""
         async with self.lock:
+            if name not in self.crews:
+                return  # not served: the set goes with its crew_add
+            message = self._approvals(name) or control.CrewApprovals(crew=name)
             reply = await self._broadcast(message)
             if not reply.ok:
                 self.kill_all(f"did not apply crew_approvals: {reply.error}")
         if not reply.ok:
-            raise Unavailable(f"the proxy refused crew {message.crew}'s approvals: {reply.error}")
+            raise Unavailable(f"the proxy refused crew {name}'s approvals: {reply.error}")
 
     async def set_audit_paused(self, paused: bool) -> None:
         """Refuse (or serve again) every crew's traffic while the journal cannot record it."""
