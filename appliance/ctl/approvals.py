@@ -32,12 +32,12 @@ def operator() -> str | None:
     """Who answers, as this machine names them (journaled beside the admin connection's peer,
     which is what applianced itself vouches for)."""
     name = os.environ.get("SUDO_USER")
-    if name:
-        return name
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return None
+    if not name:
+        try:
+            name = getpass.getuser()
+        except (KeyError, OSError):
+            return None
+    return name[:64]  # applianced takes no more
 
 
 def left(until: float) -> str:

@@ -10,6 +10,8 @@ here (`JournalEntry`, `NetReport`...), field for field those of appliance/journa
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 
@@ -106,7 +108,7 @@ class ApprovalDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     duration: float | None = None
     # Who answers, as the operator's client says (journaled beside the admin peer the daemon
     # sees: a user name is the client's word, the peer the kernel's or the TLS handshake's).
-    by: str | None = None
+    by: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 class ApprovalRequest(msgspec.Struct, frozen=True):
