@@ -199,6 +199,16 @@ def _check_rules_and_tunnel(
             assert (forward.host, forward.port, forward.tls) == (*tunnel, True), forward
 
 
+def _check_name_policy(plan: object, crew: CrewPolicy) -> None:
+    """A restricted crew reaches its allowlist and the hosts granted to it, nothing else."""
+    if crew.mode is not NetworkMode.RESTRICTED:
+        return
+    target = plan.forward if isinstance(plan, OpenWebSocket) else plan
+    if isinstance(target, Forward | OpenTunnel | TerminateTunnel):
+        host = target.host
+        assert host in crew.allowlist or host in crew.grants, ("outside the allowlist", plan)
+
+
 def TestOneInput(data: bytes) -> None:
     if len(data) < 2:
         return
@@ -206,6 +216,12 @@ def TestOneInput(data: bytes) -> None:
     allow = ["allowed.test", "api.anthropic.test"] if flags & 4 else ["api.anthropic.test"]
     rules = _RULES if flags & 128 else L7Rules()
     crew = CrewPolicy("fuzz", _MODES[flags % 3], Allowlist(allow), rules)
+    if len(data) & 1:
+        # Run-time approvals on (every flag bit is taken: the input's length decides): the
+        # refusal's wording changes, never what is refused; a grant admits one host only.
+        crew.approval_window = 900.0
+        crew.denied = {"denied.test": float("inf")}
+        crew.grants = {"granted.test": float("inf")}
     tunnel = None
     if flags & 32:
         tunnel = ("api.anthropic.test", 443) if flags & 64 else ("allowed.test", 443)
@@ -236,6 +252,7 @@ def TestOneInput(data: bytes) -> None:
                     tunnel=tunnel,
                 )
                 _check_rules_and_tunnel(plan, head, crew, tunnel)
+                _check_name_policy(plan, crew)
                 if isinstance(plan, Refuse):
                     _check_refusal(plan, head, crew.name)
                 elif isinstance(plan, Forward):

@@ -230,6 +230,18 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default_allow: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
 
 
+class ApprovalsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Run-time approvals (docs/proxy.md "Approvals"): applianced files a pending approval
+    request for every host a restricted crew is refused as not on its allowlist, and writes
+    this section for its workers. The proxy only says so in its refusal (how long the request
+    stays pending, and what the operator runs); it never lets anything through for it. Off for
+    a proxy on its own: nobody would answer the request."""
+
+    enabled: bool = False
+    # Seconds a pending request lives after the last refusal that filed or refreshed it.
+    window: PositiveFloat = 900.0
+
+
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     crew: tuple[CrewConfig, ...] = ()
     listen: ListenConfig = ListenConfig()
@@ -240,6 +252,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     control: ControlConfig = ControlConfig()
     scrub: ScrubConfig = ScrubConfig()
     policy: PolicyConfig = PolicyConfig()
+    approvals: ApprovalsConfig = ApprovalsConfig()
 
 
 DEFAULT_BASE_URLS = {

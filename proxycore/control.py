@@ -120,8 +120,37 @@ class CrewLeaves(msgspec.Struct, frozen=True, tag="crew_leaves", forbid_unknown_
     leaves: tuple[LeafPem, ...] = ()
 
 
+class HostUntil(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A host and the wall-clock time (seconds since the epoch) its entry ends."""
+
+    host: str
+    until: float
+
+
+# Entries one `CrewApprovals` may carry of each kind: applianced keeps far fewer (its bounds on
+# pending requests and grants); a larger message is refused whole.
+MAX_APPROVALS = 1024
+
+
+class CrewApprovals(msgspec.Struct, frozen=True, tag="crew_approvals", forbid_unknown_fields=True):
+    """A crew's whole set of run-time approvals (docs/proxy.md "Approvals"): `grants`, hosts it
+    may reach besides its allowlist until their time, and `denied`, hosts the operator refused
+    until their time (the refusal says so instead of "pending").
+
+    The whole set each time, applied all or nothing (one bad host changes nothing), so a lost
+    message is repaired by the next. The worker compares `until` with its own clock at every
+    decision: a grant ends on time even if applianced is slow to withdraw it. A grant never
+    widens a crew's mode: a crew in mode none stays refused.
+    """
+
+    crew: str
+    grants: tuple[HostUntil, ...] = ()
+    denied: tuple[HostUntil, ...] = ()
+
+
 ControlMessage = (
     AllowHost
+    | CrewApprovals
     | Ping
     | ReloadCredentials
     | CredentialsSet

@@ -53,7 +53,7 @@ from proxycore.protocol.credentials import (
 )
 from proxycore.protocol.events import AllowlistChanged, PolicyWarning
 from proxycore.protocol.fairness import Activity, Pacer
-from proxycore.protocol.policy import CrewPolicy, normalize_host, parse_mode
+from proxycore.protocol.policy import Allowlist, CrewPolicy, normalize_host, parse_mode
 from proxycore.protocol.scrubbing import ScrubberHolder, configured_shapes
 from proxycore.protocol.ssrf import AddressGuard
 
@@ -210,7 +210,15 @@ class ProxyRuntime:
         limits = self.limits
         state = self.crews[gateway] = CrewState(
             gateway=gateway,
-            policy=CrewPolicy(crew.name, mode, allowlist, crew_rules(crew)),
+            policy=CrewPolicy(
+                crew.name,
+                mode,
+                allowlist,
+                crew_rules(crew),
+                approval_window=(
+                    self.config.approvals.window if self.config.approvals.enabled else None
+                ),
+            ),
             name=crew.name,
             mode=mode.value,
             guard=AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
@@ -292,6 +300,43 @@ class ProxyRuntime:
         # is a change worth reporting anyway (new leaves).
         changed = bool(contexts) or bool(crew.leaves)
         crew.leaves = contexts
+        return control.ControlReply(ok=True, changed=changed)
+
+    def set_crew_approvals(self, message: control.CrewApprovals) -> control.ControlReply:
+        """Replace a crew's run-time grants and denials, all or nothing: every host is checked
+        before the swap (one bad host changes nothing)."""
+        crew = self.crew_named(message.crew)
+        if crew is None:
+            return control.ControlReply(ok=False, error=f"unknown crew {message.crew!r}")
+        sets: list[dict[str, float]] = []
+        for kind, entries in (("grants", message.grants), ("denied", message.denied)):
+            if len(entries) > control.MAX_APPROVALS:
+                return control.ControlReply(
+                    ok=False,
+                    error=f"crew_approvals for {crew.name}: over {control.MAX_APPROVALS} {kind}",
+                )
+            hosts: dict[str, float] = {}
+            for entry in entries:
+                try:
+                    host = normalize_host(entry.host)
+                    Allowlist([host])  # no IP shorthand: the policy refuses those in every mode
+                except (PolicyDenied, ValueError):
+                    return control.ControlReply(
+                        ok=False,
+                        error=f"crew_approvals for {crew.name}: {kind}: not a valid host: "
+                        f"{entry.host!r}",
+                    )
+                if not math.isfinite(entry.until):
+                    return control.ControlReply(
+                        ok=False,
+                        error=f"crew_approvals for {crew.name}: {kind}: {host}: bad time",
+                    )
+                hosts[host] = max(entry.until, hosts.get(host, entry.until))
+            sets.append(hosts)
+        grants, denied = sets
+        policy = crew.policy
+        changed = grants != policy.grants or denied != policy.denied
+        policy.grants, policy.denied = grants, denied
         return control.ControlReply(ok=True, changed=changed)
 
     def crew_for(self, local_address: str) -> CrewState | None:
@@ -385,6 +430,8 @@ class ProxyRuntime:
             return control.ControlReply(ok=True, changed=changed)
         if isinstance(message, control.CrewLeaves):
             return self.set_crew_leaves(message)
+        if isinstance(message, control.CrewApprovals):
+            return self.set_crew_approvals(message)
         if isinstance(message, control.KeeperChannelSet):
             changed = message != self.keeper_channel
             self.keeper_channel = message

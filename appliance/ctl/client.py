@@ -127,6 +127,22 @@ class AdminClient:
         body = messages.encoder.encode(request)
         return session.open_session(self.path, _segment(name), body)
 
+    # -- approvals ------------------------------------------------------------------------
+
+    def approvals(
+        self, *, crew: str | None = None, since: int = 0, wait: float = 0.0
+    ) -> messages.ApprovalList:
+        query = _query(crew=crew, since=since or None, wait=wait or None)
+        return self.call("GET", f"/v1/approvals{query}", None, messages.ApprovalList)
+
+    def approve(self, crew: str, decision: messages.ApprovalDecision) -> messages.ApprovalResult:
+        target = f"/v1/approvals/{_segment(crew)}/allow"
+        return self.call("POST", target, decision, messages.ApprovalResult)
+
+    def deny(self, crew: str, decision: messages.ApprovalDecision) -> messages.ApprovalResult:
+        target = f"/v1/approvals/{_segment(crew)}/deny"
+        return self.call("POST", target, decision, messages.ApprovalResult)
+
     # -- credentials ----------------------------------------------------------------------
 
     def credentials(self) -> messages.CredentialList:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from . import (
+    approvals,
     completion,
     context,
     contexts,
@@ -33,7 +34,9 @@ from . import (
 from .output import Output
 
 # The commands that only talk to applianced's admin socket: they configure no logging.
-_ADMIN_SOCKET_COMMANDS = frozenset({"status", "crew", "run", "net", "events", "journal", "cred"})
+_ADMIN_SOCKET_COMMANDS = frozenset(
+    {"status", "crew", "run", "net", "events", "journal", "cred", "approvals"}
+)
 
 
 def version() -> str:
@@ -111,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parsers(commands, _leaf, _watchable)
     doctor.add_parsers(commands, _leaf)
     crew.add_parsers(commands, _leaf, _watchable)
+    approvals.add_parsers(commands, _leaf)
     run.add_parsers(commands, _leaf)
     cred.add_parsers(commands, _leaf)
     journal.add_parsers(commands, _leaf)

@@ -124,7 +124,7 @@ class AdminServer:
             return
         subject = peer_subject(tls.getpeercert())
         log.info("admin TLS connection from %s as %s", address, subject)
-        await self._serve(tls)
+        await self._serve(tls, f"tls {subject}")
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         creds = stream.socket.getsockopt(
@@ -135,9 +135,11 @@ class AdminServer:
             log.warning("refused an admin connection from uid %d", uid)
             await stream.aclose()
             return
-        await self._serve(stream)
+        await self._serve(stream, f"uid {uid}")
 
-    async def _serve(self, stream: trio.abc.Stream) -> None:
+    async def _serve(self, stream: trio.abc.Stream, peer: str) -> None:
+        """`peer`: who the connection is, as the kernel (SO_PEERCRED) or the TLS handshake
+        says; journaled with the answers that name who gave them (approvals.py)."""
         async with stream:
             conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
             try:
@@ -153,7 +155,9 @@ class AdminServer:
             target = request.target.decode("ascii", "replace")
             method = request.method.decode("ascii", "replace")
             split = urllib.parse.urlsplit(target)
-            with logs.bound(request_id=uuid.uuid4().hex, crew=_crew_named(split.path)):
+            with logs.bound(
+                request_id=uuid.uuid4().hex, crew=_crew_named(split.path), admin_peer=peer
+            ):
                 await self._answer(method, target, split, request, body, stream, conn)
 
     async def _answer(

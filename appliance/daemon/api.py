@@ -20,6 +20,10 @@ bodies are the Structs of messages.py; appliance/ctl/client.py has one method pe
     POST   /v1/crews/{name}/run        RunCommand, `Upgrade: appliance-run/1` -> 101, then
                                        frames both ways (framing.py): output, stdin, signals,
                                        resize, the exit status
+    GET    /v1/approvals?crew=&since=&wait=   ApprovalList: pending requests filed after
+                                       `since` (a long poll: waits up to `wait` s, at most 60,
+                                       for one), the grants and denials in force (approvals.py)
+    POST   /v1/approvals/{name}/allow|deny   ApprovalDecision -> ApprovalResult
     GET    /v1/net                     NetReport (crews by name, then free pool slots)
     GET    /v1/credentials             CredentialList; POST AddCredential -> 201 CredentialInfo
     POST   /v1/credentials/{name}/grant|revoke|rotate   -> CredentialInfo (credentials.py)
@@ -182,6 +186,7 @@ class Handlers:
     async def remove_crew(self, request: Request) -> _Reply:
         name = request.params["name"]
         await self.daemon.crews.remove(name)
+        self.daemon.approvals.forget_crew(name)
         return _Reply(200, messages.Removed(crew=name))
 
     async def allow(self, request: Request) -> _Reply:
@@ -198,6 +203,24 @@ class Handlers:
             raise InvalidRequest(f"run: needs `Upgrade: {framing.UPGRADE}` (framing.py)")
         await serve_run(self.daemon, request.params["name"], run, request.stream, request.conn)
         return None
+
+    # -- approvals (approvals.py journals its own answers) -------------------------------------
+
+    async def approvals(self, request: Request) -> _Reply:
+        wait = request.real("wait") or 0.0
+        if not 0 <= wait < float("inf"):
+            raise InvalidRequest(f"argument wait: {wait!r} is not a number of seconds >= 0")
+        crew = request.arg("crew")
+        since = request.number("since", 0, limit=1 << 62)
+        return _Reply(200, await self.daemon.approvals.listing(crew, since, wait))
+
+    async def approve(self, request: Request) -> _Reply:
+        decision = decode(request.body, messages.ApprovalDecision)
+        return _Reply(200, await self.daemon.approvals.allow(request.params["name"], decision))
+
+    async def deny(self, request: Request) -> _Reply:
+        decision = decode(request.body, messages.ApprovalDecision)
+        return _Reply(200, await self.daemon.approvals.deny(request.params["name"], decision))
 
     # -- credentials (credentials.py journals its own changes) -----------------------------
 
@@ -358,6 +381,9 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("DELETE", "/v1/crews/{name}", Handlers.remove_crew),
     ("POST", "/v1/crews/{name}/allow", Handlers.allow),
     ("POST", "/v1/crews/{name}/run", Handlers.run),
+    ("GET", "/v1/approvals", Handlers.approvals),
+    ("POST", "/v1/approvals/{name}/allow", Handlers.approve),
+    ("POST", "/v1/approvals/{name}/deny", Handlers.deny),
     ("GET", "/v1/credentials", Handlers.credentials),
     ("POST", "/v1/credentials", Handlers.add_credential),
     ("POST", "/v1/credentials/{name}/grant", Handlers.grant),

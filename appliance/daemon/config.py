@@ -12,6 +12,7 @@ Unknown keys and bad values are errors naming the key (`ConfigInvalid`), as in
     [metrics]  the Prometheus metrics' optional TCP listener (they are always on the admin
                socket)
     [admin_tls]  the admin API's optional TCP listener, mutual TLS (off by default)
+    [approvals]  run-time approvals of refused hosts (window, bounds; docs/cli.md)
     [proxy]    what the proxy core takes from its own config file except crews, listeners and
                control (applianced supplies those): limits, providers, upstream, events, scrub,
                policy
@@ -34,6 +35,7 @@ from appliance.runtime.base import AGENT_UID, KNOWN_RUNTIMES
 from netns import NetConfig, NetnsError, check_instance_id, validate_config
 from proxycore.config import (
     DEFAULT_PORT,
+    ApprovalsConfig,
     EventsConfig,
     LimitsConfig,
     PolicyConfig,
@@ -187,6 +189,22 @@ class JournalSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trusted_keys: tuple[str, ...] = ()
 
 
+class ApprovalsSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Run-time approvals (docs/cli.md "approvals"): a host a restricted crew is refused as not
+    # on its allowlist becomes a pending request the operator answers with `appliancectl
+    # approvals allow|deny`; nothing is let through until then. false: plain refusals only.
+    enabled: bool = True
+    # Seconds a pending request lives after its last refusal; also how long a denial lasts.
+    window: Annotated[float, msgspec.Meta(ge=1, le=7 * 86400)] = 900.0
+    # `approvals allow --once`: how long without --for, and the longest --for.
+    once: Annotated[float, msgspec.Meta(ge=1, le=7 * 86400)] = 600.0
+    max_once: Annotated[float, msgspec.Meta(ge=1, le=30 * 86400)] = 86400.0
+    # Pending requests kept per crew and in all (past either, the least recently refused one is
+    # dropped, and logged): a crew that tries a thousand hosts cannot grow applianced.
+    per_crew: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
+    total: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+
+
 class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     daemon: DaemonSection = DaemonSection()
     images: ImagesSection = ImagesSection()
@@ -199,6 +217,7 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics: MetricsSection = MetricsSection()
     journal: JournalSection = JournalSection()
     admin_tls: AdminTlsSection = AdminTlsSection()
+    approvals: ApprovalsSection = ApprovalsSection()
 
     @property
     def max_cpus(self) -> float:
@@ -230,6 +249,7 @@ class ApplianceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             events=section.events,
             scrub=section.scrub,
             policy=section.policy,
+            approvals=ApprovalsConfig(enabled=self.approvals.enabled, window=self.approvals.window),
         )
 
 
@@ -283,6 +303,8 @@ def check_config(config: ApplianceConfig, *, source: str) -> ApplianceConfig:
         digits = key.strip().lower().removeprefix("ed25519:")
         if len(digits) != 64 or digits.strip("0123456789abcdef"):
             raise fail("journal.trusted_keys", f"{key!r} is not a public key (64 hex digits)")
+    if config.approvals.once > config.approvals.max_once:
+        raise fail("approvals.once", "must not exceed approvals.max_once")
     if AGENT_UID in (config.proxy.uid, config.proxy.gid):
         raise fail(
             "proxy.uid",

@@ -55,6 +55,7 @@ from proxycore.protocol.scrubbing import configured_shapes
 
 from . import messages
 from .admin_server import AdminServer
+from .approvals import Approvals
 from .config import ApplianceConfig, config_file, load_config, metrics_address
 from .credentials import CredentialsApi
 from .crew_tls import CrewTLS
@@ -126,6 +127,7 @@ class Daemon:
         self.recorder: JournalRecorder
         self.journal_lifecycle: JournalLifecycle
         self.credentials_api: CredentialsApi
+        self.approvals: Approvals
         self.metrics: DaemonMetrics
 
     def _lock_state(self) -> None:
@@ -290,6 +292,15 @@ class Daemon:
                 tls=crew_tls,
             )
             self.crews.journal = recorder
+            # Run-time approvals (approvals.py): the grants and denials stored go to every
+            # worker with its crews, so they are loaded before the crews are reconciled.
+            self.approvals = Approvals(
+                self.config.approvals, store, self.proxy, recorder, self.crews
+            )
+            self.approvals.load()
+            self.proxy.approvals_source = self.approvals.source
+            if self.config.approvals.enabled:
+                recorder.on_refused = self.approvals.on_refused
             keeper = KeeperChannel(
                 KeeperService(
                     credentials,
@@ -315,6 +326,7 @@ class Daemon:
                 await nursery.start(keeper.serve, self.proxy.drop_to)
                 await nursery.start(recorder.watch_backpressure)
                 await nursery.start(self.journal_lifecycle.keep_pruned)
+                await nursery.start(self.approvals.keep_swept)
                 self.notifier.status(f"starting: {len(self.proxy.workers)} proxy workers")
                 await nursery.start(self.proxy.run)
                 self.notifier.status("starting: reconciling the crews with the state")

@@ -10,6 +10,8 @@ here (`JournalEntry`, `NetReport`...), field for field those of appliance/journa
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 
@@ -95,6 +97,56 @@ class AllowResult(msgspec.Struct, frozen=True):
     crew: str
     host: str
     changed: bool
+
+
+class ApprovalDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/approvals/{crew}/allow` and `/deny` (docs/cli.md "approvals")."""
+
+    host: str
+    # allow only: for `duration` seconds (None: [approvals] once), not permanently.
+    once: bool = False
+    duration: float | None = None
+    # Who answers, as the operator's client says (journaled beside the admin peer the daemon
+    # sees: a user name is the client's word, the peer the kernel's or the TLS handshake's).
+    by: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+
+
+class ApprovalRequest(msgspec.Struct, frozen=True):
+    """A pending request: a host `crew` was refused as not on its allowlist."""
+
+    seq: int  # increases with every request filed: `since` of the long poll
+    crew: str
+    host: str
+    port: int  # the port of the last refusal
+    first_seen: float
+    last_seen: float
+    count: int  # refusals since it was filed
+    expires: float  # last_seen + the window
+
+
+class ApprovalEntry(msgspec.Struct, frozen=True):
+    """A temporary grant or a denial in force."""
+
+    crew: str
+    host: str
+    until: float
+
+
+class ApprovalList(msgspec.Struct, frozen=True):
+    requests: tuple[ApprovalRequest, ...]
+    seq: int  # the newest request's seq so far: the next long poll's `since`
+    window: float
+    grants: tuple[ApprovalEntry, ...] = ()
+    denied: tuple[ApprovalEntry, ...] = ()
+
+
+class ApprovalResult(msgspec.Struct, frozen=True):
+    crew: str
+    host: str
+    decision: str  # "allowed", "allowed_once" or "denied"
+    until: float | None = None  # allowed_once, denied: when it ends
+    changed: bool = True  # allowed: whether the running allowlist changed
+    was_pending: bool = False
 
 
 class Removed(msgspec.Struct, frozen=True):

@@ -213,6 +213,9 @@ class ProxyPool:
         # to every worker and to a restarted one; `leaves_sent` is what every worker holds.
         self.leaves_source: LeavesSource | None = None
         self.leaves_sent: dict[str, tuple[tuple[str, str], ...]] = {}
+        # A crew's run-time grants and denials (approvals.py), sent after its crew_add to every
+        # worker and to a restarted one; None from it: the crew has none.
+        self.approvals_source: Callable[[str], control.CrewApprovals | None] | None = None
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -412,6 +415,14 @@ class ProxyPool:
                     # nothing is let through that the rules would hold.
                     log.error("proxy refused crew %s's leaves on restore: %s", entry.name,
                               reply.error)  # fmt: skip
+            approvals = self._approvals(entry.name)
+            if approvals is not None:
+                reply = await client.request(approvals)
+                if not reply.ok:
+                    # A grant could be missing (refused: fail closed), a denial too; a grant
+                    # ended by a denial must not come back: the worker does not serve.
+                    raise OSError(f"the worker refused crew {entry.name}'s approvals: "
+                                  f"{reply.error}")  # fmt: skip
         if self.credentials_source is not None:
             reply = await client.request(control.CredentialsSet(crews=self.credentials_source()))
             if not reply.ok:
@@ -500,6 +511,9 @@ class ProxyPool:
                         reply = await self._broadcast(leaves)
                         if reply.ok:
                             self.leaves_sent[entry.name] = _fingerprint(leaves)
+                    approvals = self._approvals(entry.name)
+                    if reply.ok and approvals is not None:
+                        reply = await self._broadcast(approvals)
             if not reply.ok:
                 raise Unavailable(f"the proxy refused crew {entry.name!r}: {reply.error}")
         except BaseException:
@@ -533,6 +547,25 @@ class ProxyPool:
         if not reply.ok:
             raise Unavailable(f"the proxy refused {host!r} for crew {name!r}: {reply.error}")
         return reply.changed
+
+    def _approvals(self, name: str) -> control.CrewApprovals | None:
+        return None if self.approvals_source is None else self.approvals_source(name)
+
+    async def push_approvals(self, name: str) -> None:
+        """The crew's whole set of grants and denials, read from `approvals_source` under the
+        lock (so two answers in a row reach the workers in the order of their sets, never an
+        older set last), to every worker. A worker that does not apply it is killed (it
+        restarts with the set from the source): a grant a denial has ended must not live on
+        in one worker. Unavailable if any refused."""
+        async with self.lock:
+            if name not in self.crews:
+                return  # not served: the set goes with its crew_add
+            message = self._approvals(name) or control.CrewApprovals(crew=name)
+            reply = await self._broadcast(message)
+            if not reply.ok:
+                self.kill_all(f"did not apply crew_approvals: {reply.error}")
+        if not reply.ok:
+            raise Unavailable(f"the proxy refused crew {name}'s approvals: {reply.error}")
 
     async def set_audit_paused(self, paused: bool) -> None:
         """Refuse (or serve again) every crew's traffic while the journal cannot record it."""

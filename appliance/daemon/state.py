@@ -70,6 +70,18 @@ CREATE TABLE IF NOT EXISTS crews (
     ssrf_allow TEXT NOT NULL DEFAULT '[]', -- JSON array of CIDRs only this crew may reach
     rules TEXT NOT NULL DEFAULT '[]'       -- JSON array of the proxy's RuleConfig objects
 );
+-- Run-time approvals (approvals.py) in force: hosts a crew may reach until `until` ("once"),
+-- and hosts the operator denied until then ("denied"). Additive: created at any start where it
+-- is missing, whatever the schema version. An older applianced ignores it.
+-- (No semicolon in these comments: the schema is split on them.)
+CREATE TABLE IF NOT EXISTS approvals (
+    crew TEXT NOT NULL,
+    kind TEXT NOT NULL,           -- "once" or "denied"
+    host TEXT NOT NULL,
+    until REAL NOT NULL,          -- wall clock (seconds since the epoch)
+    created REAL NOT NULL,
+    PRIMARY KEY (crew, kind, host)
+);
 CREATE TABLE IF NOT EXISTS pool (
     slot TEXT PRIMARY KEY,
     phase TEXT NOT NULL,          -- "filling" (being set up) or "ready"
@@ -353,3 +365,35 @@ class StateStore:
 
     def delete(self, name: str) -> None:
         self.db.execute("DELETE FROM crews WHERE name=?", (name,))
+
+    # -- run-time approvals (approvals.py) ----------------------------------------------------
+
+    def approvals(self) -> list[tuple[str, str, str, float]]:
+        """(crew, kind, host, until) of every grant and denial stored, expired ones included."""
+        rows = self.db.execute("SELECT crew, kind, host, until FROM approvals ORDER BY until")
+        return [(r["crew"], r["kind"], r["host"], float(r["until"])) for r in rows]
+
+    def approval_set(self, crew: str, kind: str, host: str, until: float) -> None:
+        """One grant or denial; replaces the crew's other kind for that host in one
+        transaction (a host is granted or denied, never both)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("DELETE FROM approvals WHERE crew=? AND host=?", (crew, host))
+            self.db.execute(
+                "INSERT INTO approvals(crew, kind, host, until, created) VALUES (?,?,?,?,?)",
+                (crew, kind, host, until, time.time()),
+            )
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def approval_delete(self, crew: str, host: str | None = None) -> None:
+        """A crew's entries for `host` (None: all of them)."""
+        if host is None:
+            self.db.execute("DELETE FROM approvals WHERE crew=?", (crew,))
+        else:
+            self.db.execute("DELETE FROM approvals WHERE crew=? AND host=?", (crew, host))
+
+    def approvals_expire(self, now: float) -> int:
+        return self.db.execute("DELETE FROM approvals WHERE until<=?", (now,)).rowcount

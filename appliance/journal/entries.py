@@ -325,6 +325,49 @@ class AllowlistChanged(Entry, frozen=True, tag="allowlist.changed"):
         return f"allowlist: {'added' if self.added else 'removed'} {self.host} ({self.source})"
 
 
+class ApprovalRequested(Entry, frozen=True, tag="approval.requested"):
+    """A restricted crew was refused a host not on its allowlist, and a pending approval
+    request was filed (once per crew and host while it stays pending, never per refusal)."""
+
+    host: str
+    port: int
+    expires: float
+
+    def summary(self) -> str:
+        return f"approval requested: {self.host}:{self.port}"
+
+
+class ApprovalAllowed(Entry, frozen=True, tag="approval.allowed"):
+    """The operator allowed a host: permanently (the crew's allowlist, as `crew allow`) or
+    `once` until `until`. `by`: the client's word for who; `peer`: the admin connection's."""
+
+    host: str
+    once: bool = False
+    until: float | None = None
+    was_pending: bool = False
+    by: str | None = None
+    peer: str | None = None
+
+    def summary(self) -> str:
+        how = "permanently"
+        if self.once and self.until is not None:
+            how = "until " + time.strftime("%H:%M:%S UTC", time.gmtime(self.until))
+        return f"approval: {self.host} allowed {how}" + (f" by {self.by}" if self.by else "")
+
+
+class ApprovalDenied(Entry, frozen=True, tag="approval.denied"):
+    """The operator denied a host: refused without a new request until `until`."""
+
+    host: str
+    until: float
+    was_pending: bool = False
+    by: str | None = None
+    peer: str | None = None
+
+    def summary(self) -> str:
+        return f"approval: {self.host} denied" + (f" by {self.by}" if self.by else "")
+
+
 class CredentialChanged(Entry, frozen=True, tag="credential.changed"):
     """The store changed (written once the change is committed, before the proxy is told: a
     failed push cannot hide it). A grant or revoke for one crew carries it in the `crew` and
@@ -441,6 +484,9 @@ AnyEntry = (
     | CommandExecuted
     | KeeperDecision
     | AllowlistChanged
+    | ApprovalRequested
+    | ApprovalAllowed
+    | ApprovalDenied
     | CredentialChanged
     | CredentialPushFailed
     | CrewCreated
@@ -468,6 +514,9 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         CommandExecuted,
         KeeperDecision,
         AllowlistChanged,
+        ApprovalRequested,
+        ApprovalAllowed,
+        ApprovalDenied,
         CredentialChanged,
         CredentialPushFailed,
         CrewCreated,

@@ -203,6 +203,9 @@ class JournalRecorder:
         self.journal = journal
         self.on_backpressure = on_backpressure
         self.observer = observer
+        # Told of every `request_denied` event as it is ingested (applianced's approvals:
+        # appliance/daemon/approvals.py); must not block.
+        self.on_refused: Callable[[pe.RequestDenied], E.Entry | None] | None = None
         self.backpressure = False
         self.backpressure_episodes = 0  # times the journal fell behind (crews refused)
         self._last_full = float("-inf")
@@ -412,6 +415,24 @@ class JournalRecorder:
                     self.observer.proxy_events(worker, events)
                 for entry in entries_for_batch(events):
                     await self._submit(journal, entry)
+                if self.on_refused is not None:
+                    for entry in self._tell_refused(events):
+                        await self._submit(journal, entry)
+
+    def _tell_refused(self, events: list[pe.AnyEvent | None]) -> list[E.Entry]:
+        """`on_refused` for each denied request of a batch; the entries it asks to journal."""
+        assert self.on_refused is not None
+        found: list[E.Entry] = []
+        for event in events:
+            if isinstance(event, pe.RequestDenied):
+                try:
+                    entry = self.on_refused(event)
+                except Exception:  # its trouble must not stop the journal's ingest
+                    log.exception("could not file an approval request for crew %s", event.crew)
+                    continue
+                if entry is not None:
+                    found.append(entry)
+        return found
 
     async def _submit(self, journal: Journal | None, entry: E.Entry) -> None:
         """Queue without waiting for the disk; when the queue is full, refuse crew traffic and

@@ -60,7 +60,7 @@ from proxycore.protocol.plans import (
     ServeLocal,
     TerminateTunnel,
 )
-from proxycore.protocol.policy import CrewPolicy, parse_authority
+from proxycore.protocol.policy import RULE_NOT_IN_ALLOWLIST, CrewPolicy, parse_authority
 from proxycore.protocol.refusals import local_json
 from proxycore.protocol.scrubbing import IDENTITY
 
@@ -218,7 +218,46 @@ def _check_policy(
             close=close,
         )
     why = _WHY_DENIED.get(decision.rule, "{host} refused by rule " + decision.rule)
-    return request.denied(decision.rule, why.format(crew=crew.name, host=request.host), close=close)
+    message = why.format(crew=crew.name, host=request.host)
+    if decision.rule == RULE_NOT_IN_ALLOWLIST and crew.approval_window is not None:
+        return _approval_refusal(request, crew, message, close)
+    return request.denied(decision.rule, message, close=close)
+
+
+def _approval_refusal(request: Request, crew: CrewPolicy, message: str, close: bool) -> Refuse:
+    """A `not_in_allowlist` refusal while approvals are on: what the agent can tell its user.
+    applianced files (or refreshes) the pending request from this refusal's event; a host the
+    operator denied files none until the denial ends, and the refusal says denied instead."""
+    host = request.host
+    denied_until = crew.denied_until(host)
+    if denied_until is not None:
+        left = max(1, int(denied_until - crew.clock()))
+        text = (
+            f"{message}; the operator denied access to it ({_duration(left)} left): no "
+            "approval request is filed meanwhile"
+        )
+        return request.denied(
+            RULE_NOT_IN_ALLOWLIST, text, close=close, approval=("denied", left, None)
+        )
+    assert crew.approval_window is not None
+    window = max(1, int(crew.approval_window))
+    command = f"appliancectl approvals allow {crew.name} {host}"
+    text = (
+        f"{message}; an approval request for it is pending for {_duration(window)}: the "
+        f"operator may run `{command}` (add --once for a while), or deny it; retry once allowed"
+    )
+    return request.denied(
+        RULE_NOT_IN_ALLOWLIST, text, close=close, approval=("pending", window, command)
+    )
+
+
+def _duration(seconds: int) -> str:
+    """15 minutes, 90 seconds, 2 hours: whole units when they are whole."""
+    for unit, size in (("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            count = seconds // size
+            return f"{count} {unit}{'s' if count != 1 else ''}"
+    return f"{seconds} second{'s' if seconds != 1 else ''}"
 
 
 def _check_rules(

@@ -43,8 +43,17 @@ class Request(msgspec.Struct, frozen=True):
     host: str = ""
     port: int = 0
 
-    def denied(self, rule: str, message: str, *, close: bool) -> Refuse:
-        """The name policy or the SSRF guard said no: 403."""
+    def denied(
+        self,
+        rule: str,
+        message: str,
+        *,
+        close: bool,
+        approval: tuple[str, int, str | None] | None = None,
+    ) -> Refuse:
+        """The name policy or the SSRF guard said no: 403. `approval`: (state, seconds left,
+        the operator's command) of a run-time approval (exchange.py)."""
+        state, expires_in, command = approval if approval is not None else (None, None, None)
         body = Refusal(
             error="egress_denied",
             message=message,
@@ -52,6 +61,9 @@ class Request(msgspec.Struct, frozen=True):
             rule=rule,
             mode=self.mode,
             crew=self.crew,
+            approval=state,
+            approval_expires_in=expires_in,
+            approval_command=command,
         )
         event = RequestDenied(
             crew=self.crew,

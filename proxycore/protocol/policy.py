@@ -32,7 +32,8 @@ from __future__ import annotations
 import enum
 import ipaddress
 import re
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from proxycore.errors import PolicyDenied
@@ -41,6 +42,7 @@ from proxycore.protocol.l7 import L7Rules
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
     "RULE_ALLOWLISTED",
+    "RULE_APPROVED",
     "RULE_IP_SHORTHAND",
     "RULE_MALFORMED_HOST",
     "RULE_MODE_FREE",
@@ -119,6 +121,8 @@ DEFAULT_ALLOWED_HOSTS: tuple[str, ...] = (
 
 RULE_MODE_FREE = "mode_free"
 RULE_ALLOWLISTED = "allowlisted"
+# Allowed by an operator's grant for a while (`appliancectl approvals allow --once`).
+RULE_APPROVED = "approved"
 RULE_MODE_NONE = "mode_none"
 RULE_NOT_IN_ALLOWLIST = "not_in_allowlist"
 RULE_MALFORMED_HOST = "malformed_host"
@@ -462,6 +466,12 @@ class CrewPolicy:
 
     The memo is cleared whenever the allowlist changes (a crew's mode never does), so a cached
     decision is always the current one. Bounded: cleared whole at `MEMO_SIZE` entries.
+
+    `grants` (host -> wall-clock end) are the operator's temporary approvals: they are read
+    after the memo, against the clock, at every decision, so that a grant ends on time with no
+    message and no memo to clear. Only a `not_in_allowlist` refusal consults them: a grant never
+    opens a crew in mode none, a malformed host or an IP shorthand. `denied` (host -> end) and
+    `approval_window` only shape what the refusal says (exchange.py).
     """
 
     name: str
@@ -471,6 +481,11 @@ class CrewPolicy:
     # name policy allows, on the routes where the proxy reads the requests.
     rules: L7Rules = field(default_factory=L7Rules)
     decisions: dict[tuple[str, int], EgressDecision] = field(default_factory=dict)
+    grants: dict[str, float] = field(default_factory=dict)
+    denied: dict[str, float] = field(default_factory=dict)
+    # Seconds an approval request stays pending (None: approvals are off for this proxy).
+    approval_window: float | None = None
+    clock: Callable[[], float] = time.time
 
     def decide(self, host: str, port: int) -> EgressDecision:
         key = (host, port)
@@ -479,7 +494,16 @@ class CrewPolicy:
             if len(self.decisions) >= MEMO_SIZE:
                 self.decisions.clear()
             decision = self.decisions[key] = decide_egress(self.mode, self.allowlist, host, port)
+        if self.grants and decision.rule == RULE_NOT_IN_ALLOWLIST:
+            until = self.grants.get(decision.host)
+            if until is not None and self.clock() < until:
+                return EgressDecision(True, decision.host, port, RULE_APPROVED, self.mode)
         return decision
+
+    def denied_until(self, host: str) -> float | None:
+        """When the operator's refusal of `host` ends, if it has not yet."""
+        until = self.denied.get(host)
+        return until if until is not None and self.clock() < until else None
 
     def allow(self, host: str) -> bool:
         added = self.allowlist.add(host)

@@ -37,6 +37,12 @@ class Refusal(msgspec.Struct, frozen=True, omit_defaults=True):
     rule: str | None = None
     mode: str | None = None
     crew: str | None = None
+    # Run-time approvals (docs/proxy.md "Approvals"), on a `not_in_allowlist` refusal only:
+    # "pending" (a request waits for the operator) or "denied" (the operator refused the host),
+    # for how many more seconds, and the command that answers a pending request.
+    approval: str | None = None
+    approval_expires_in: int | None = None
+    approval_command: str | None = None
 
 
 _encoder = msgspec.json.Encoder()
