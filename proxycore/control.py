@@ -63,6 +63,8 @@ class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields
     ssrf_allow: tuple[str, ...] = ()
     # Method and path rules for some hosts (`CrewConfig.rules`).
     rules: tuple[RuleConfig, ...] = ()
+    # Address rules (`CrewConfig.net`).
+    net: tuple[str, ...] = ()
 
 
 class CrewRemove(msgspec.Struct, frozen=True, tag="crew_remove", forbid_unknown_fields=True):

@@ -40,7 +40,7 @@ from proxycore.io.dns import Resolver
 from proxycore.io.http2 import h2_limits
 from proxycore.io.leaves import LeafError, load_leaves, read_leaf_files
 from proxycore.io.sinks import EventSink
-from proxycore.io.upstream import Dialer, make_tls_context
+from proxycore.io.upstream import CrewReach, Dialer, make_tls_context
 from proxycore.io.upstream_h2 import H2Pool
 from proxycore.protocol import http1
 from proxycore.protocol.credentials import (
@@ -53,6 +53,7 @@ from proxycore.protocol.credentials import (
 )
 from proxycore.protocol.events import AllowlistChanged, PolicyWarning
 from proxycore.protocol.fairness import Activity, Pacer
+from proxycore.protocol.netrules import NetRules, parse_net_rules
 from proxycore.protocol.policy import CrewPolicy, normalize_host, parse_mode
 from proxycore.protocol.scrubbing import ScrubberHolder, configured_shapes
 from proxycore.protocol.ssrf import AddressGuard
@@ -95,8 +96,9 @@ class CrewState:
     # The policy's name and mode, kept here too: read on every request.
     name: str
     mode: str
-    # The ranges this crew alone may reach past the SSRF guard (`CrewConfig.ssrf_allow`).
-    guard: AddressGuard | None
+    # The ranges this crew alone may reach past the SSRF guard (`CrewConfig.ssrf_allow`) and
+    # its address rules (`CrewConfig.net`).
+    guard: CrewReach | None
     lookups: trio.CapacityLimiter
     buffered: BufferBudget
     # Its pace of new requests and connections while another crew is active (fairness.py).
@@ -210,10 +212,17 @@ class ProxyRuntime:
         limits = self.limits
         state = self.crews[gateway] = CrewState(
             gateway=gateway,
-            policy=CrewPolicy(crew.name, mode, allowlist, crew_rules(crew)),
+            policy=CrewPolicy(
+                crew.name, mode, allowlist, crew_rules(crew), NetRules(parse_net_rules(crew.net))
+            ),
             name=crew.name,
             mode=mode.value,
-            guard=AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
+            guard=CrewReach(
+                AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
+                NetRules(parse_net_rules(crew.net)),
+            )
+            if crew.ssrf_allow or crew.net
+            else None,
             lookups=trio.CapacityLimiter(limits.dns_lookups_per_crew),
             buffered=BufferBudget(limits.max_buffered_bytes_per_crew),
             requests=Pacer(
@@ -241,6 +250,7 @@ class ProxyRuntime:
             allow=message.allow,
             ssrf_allow=message.ssrf_allow,
             rules=message.rules,
+            net=message.net,
         )
         try:
             validate(ProxyConfig(crew=(crew,)), source="crew_add")

@@ -36,6 +36,9 @@ class CreateCrew(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssrf_allow: tuple[str, ...] = ()
     # Method and path rules for some of its hosts (they narrow what `allow` opens, never widen).
     rules: tuple[CrewRule, ...] = ()
+    # Address rules, "allow:tcp:10.9.0.0/24:5432" (docs/netns.md "Address rules"): enforced by
+    # the kernel for the crew's own packets and by the proxy after resolution; deny wins.
+    net: tuple[str, ...] = ()
 
 
 class AllowHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,6 +88,7 @@ class CrewInfo(msgspec.Struct, frozen=True):
     effective_allow: tuple[AllowEntry, ...] = ()
     ssrf_allow: tuple[str, ...] = ()
     rules: tuple[CrewRule, ...] = ()  # as the proxy holds them (hosts normalized)
+    net: tuple[str, ...] = ()  # address rules, in their one spelling
 
 
 class CrewList(msgspec.Struct, frozen=True):

@@ -94,6 +94,7 @@ class CrewEntry(msgspec.Struct, frozen=True):
     allow: tuple[str, ...]
     ssrf_allow: tuple[str, ...] = ()
     rules: tuple[RuleConfig, ...] = ()
+    net: tuple[str, ...] = ()
 
 
 class _Worker:
@@ -615,6 +616,7 @@ def _crew_add(entry: CrewEntry) -> control.CrewAdd:
         listener=True,
         ssrf_allow=entry.ssrf_allow,
         rules=entry.rules,
+        net=entry.net,
     )
 
 

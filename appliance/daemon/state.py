@@ -26,7 +26,8 @@ objects carry it. Version 4 brought it; a state from before (version 1-3) record
 migration, the crews it had (`meta.legacy_crews`): their containers carry no instance label and
 are adopted by the ids in their rows (`adoptable`), their volumes keep their former names.
 
-Version 5 added each crew's method and path rules (`rules`; an older state's crews get none).
+Version 5 added each crew's method and path rules (`rules`; an older state's crews get none),
+version 6 its address rules (`net`; an older state's crews get none).
 The schema is versioned (`meta.schema_version`); an unknown newer version is refused, never
 guessed at. Every write is one transaction (`with self.db:`); WAL lets readers (`crew ls`) run
 beside a writer. Calls take well under a millisecond, so the trio daemon makes them inline.
@@ -47,7 +48,7 @@ from proxycore.config import RuleConfig
 
 from .errors import DaemonError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DB_FILE = "applianced.db"
 
 _SCHEMA = """
@@ -68,7 +69,8 @@ CREATE TABLE IF NOT EXISTS crews (
     error TEXT,
     slot TEXT,                    -- the pool slot it took: its infra and network are keyed by it
     ssrf_allow TEXT NOT NULL DEFAULT '[]', -- JSON array of CIDRs only this crew may reach
-    rules TEXT NOT NULL DEFAULT '[]'       -- JSON array of the proxy's RuleConfig objects
+    rules TEXT NOT NULL DEFAULT '[]',      -- JSON array of the proxy's RuleConfig objects
+    net TEXT NOT NULL DEFAULT '[]'         -- JSON array of address rules ("allow:tcp:...")
 );
 CREATE TABLE IF NOT EXISTS pool (
     slot TEXT PRIMARY KEY,
@@ -85,6 +87,8 @@ _MIGRATE_1_TO_2 = "ALTER TABLE crews ADD COLUMN slot TEXT"
 _MIGRATE_2_TO_3 = "ALTER TABLE crews ADD COLUMN ssrf_allow TEXT NOT NULL DEFAULT '[]'"
 # Version 4 had no method and path rules: none, as before (every method and path).
 _MIGRATE_4_TO_5 = "ALTER TABLE crews ADD COLUMN rules TEXT NOT NULL DEFAULT '[]'"
+# Version 5 had no address rules: none, as before (nothing past the proxy).
+_MIGRATE_5_TO_6 = "ALTER TABLE crews ADD COLUMN net TEXT NOT NULL DEFAULT '[]'"
 
 
 class CrewPhase(enum.StrEnum):
@@ -114,6 +118,9 @@ class CrewRow(msgspec.Struct, frozen=True):
     # Method and path rules, validated and with their hosts normalized (crews.py), as the proxy
     # workers are sent them.
     rules: tuple[RuleConfig, ...] = ()
+    # Address rules in their one spelling (proxycore/protocol/netrules.py), as the kernel and
+    # the proxy are given them.
+    net: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -158,7 +165,7 @@ class StateStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            elif int(row["value"]) in (1, 2, 3, 4):
+            elif int(row["value"]) in (1, 2, 3, 4, 5):
                 version = int(row["value"])
                 if version == 1:
                     self.db.execute(_MIGRATE_1_TO_2)
@@ -171,7 +178,9 @@ class StateStore:
                         "INSERT INTO meta(key, value) VALUES ('legacy_crews', ?)",
                         (json.dumps(legacy),),
                     )
-                self.db.execute(_MIGRATE_4_TO_5)
+                if version <= 4:
+                    self.db.execute(_MIGRATE_4_TO_5)
+                self.db.execute(_MIGRATE_5_TO_6)
                 self.db.execute(
                     "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
                 )
@@ -247,6 +256,7 @@ class StateStore:
             slot=row["slot"],
             ssrf_allow=tuple(json.loads(row["ssrf_allow"])),
             rules=msgspec.json.decode(row["rules"], type=tuple[RuleConfig, ...]),
+            net=tuple(json.loads(row["net"])),
         )
 
     def crews(self) -> list[CrewRow]:
@@ -261,8 +271,8 @@ class StateStore:
         """Record the intent to create a crew. sqlite3.IntegrityError if the name is taken."""
         self.db.execute(
             "INSERT INTO crews(name, mode, allow, runtime, memory_bytes, cpus, phase, infra_id,"
-            " agent_id, gateway, created, updated, error, slot, ssrf_allow, rules)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " agent_id, gateway, created, updated, error, slot, ssrf_allow, rules, net)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 crew.name,
                 crew.mode,
@@ -280,6 +290,7 @@ class StateStore:
                 crew.slot,
                 json.dumps(list(crew.ssrf_allow)),
                 msgspec.json.encode(crew.rules).decode(),
+                json.dumps(list(crew.net)),
             ),
         )
 

@@ -367,9 +367,14 @@ class CrewCreated(Entry, frozen=True, tag="crew.created"):
     mode: str
     allow: tuple[str, ...]
     runtime: str
+    # Its address rules, "allow:tcp:10.9.0.0/24:5432" (docs/netns.md "Address rules"); absent
+    # from the entries of an older applianced, which read as none.
+    net: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        return f"crew created ({self.mode}, {self.runtime}, allow {', '.join(self.allow) or '-'})"
+        net = f", net {', '.join(self.net)}" if self.net else ""
+        allow = ", ".join(self.allow) or "-"
+        return f"crew created ({self.mode}, {self.runtime}, allow {allow}{net})"
 
 
 class CrewRemoved(Entry, frozen=True, tag="crew.removed"):
