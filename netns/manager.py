@@ -9,7 +9,8 @@ step):
     open namespace             the file, checked to be a network namespace not the host's
     allocate subnet            lowest free /30 not used by the host (kept if the crew had one)
     record intent              state file: crew -> subnet, phase CREATING, namespace identity
-    install rules              one nftables transaction: the crew's chain and map element
+    install rules              one nftables transaction: the crew's sets (its address rules),
+                               chain and map element
     disable IPv6 in namespace  all and default: every interface, present and future
     remove leftover link       a link of the crew's name from an earlier, interrupted setup
     create veth                host end in the host namespace, crew end born in the crew's
@@ -177,6 +178,8 @@ class CrewStatus(msgspec.Struct, frozen=True):
     accepted_bytes: int
     dropped_packets: int
     dropped_bytes: int
+    # Its address rules as recorded (netrules.py), which the kernel's sets hold.
+    net: tuple[str, ...] = ()
 
 
 class NetworkReport(msgspec.Struct, frozen=True):
@@ -908,6 +911,7 @@ class CrewNetworks:
             accepted_bytes=sum(r.bytes for r in accepted),
             dropped_packets=sum(r.packets for r in dropped),
             dropped_bytes=sum(r.bytes for r in dropped),
+            net=record.net,
         )
 
     def delete_table(self) -> None:

@@ -346,6 +346,7 @@ def test_a_running_proxy_refuses_a_denied_address_with_a_readable_403(
     from proxycore.protocol.events import RequestDenied
 
     port = plain_host.port
+    plain_host.clear()
     proxy = make_proxy(allow=["plain.test"], net=[f"deny:tcp:127.0.0.1/32:{port}"])
     done = subprocess.run(
         [
