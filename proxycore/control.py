@@ -20,6 +20,15 @@ class AllowHost(msgspec.Struct, frozen=True, tag="allow_host", forbid_unknown_fi
     host: str
 
 
+class CrewNet(msgspec.Struct, frozen=True, tag="crew_net", forbid_unknown_fields=True):
+    """Replace a crew's address rules (`CrewConfig.net`) at run time: they decide every
+    connection opened from then on (open ones keep going; the kernel's rules, changed by
+    applianced in the same step, judge every packet)."""
+
+    crew: str
+    net: tuple[str, ...] = ()
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
     pass
 
@@ -124,6 +133,7 @@ class CrewLeaves(msgspec.Struct, frozen=True, tag="crew_leaves", forbid_unknown_
 
 ControlMessage = (
     AllowHost
+    | CrewNet
     | Ping
     | ReloadCredentials
     | CredentialsSet

@@ -307,6 +307,32 @@ class ProxyRuntime:
     def crew_for(self, local_address: str) -> CrewState | None:
         return self.crews.get(local_address)
 
+    def set_crew_net(self, message: control.CrewNet) -> control.ControlReply:
+        """A crew's address rules replaced: its dialer check and its name policy together (the
+        policy's memo cleared, its idle upstream connections closed), or nothing if a rule is
+        refused. Open tunnels and exchanges keep going (the kernel's rules, which applianced
+        changes in the same step, do not concern them: they leave from the proxy)."""
+        crew = self.crew_named(message.crew)
+        if crew is None:
+            return control.ControlReply(ok=False, error=f"no crew {message.crew!r}")
+        try:
+            rules = NetRules(parse_net_rules(message.net))
+        except ValueError as exc:
+            return control.ControlReply(ok=False, error=f"crew_net: net{exc}")
+        ranges = crew.guard.ranges if crew.guard is not None else None
+        before = crew.policy.net
+        crew.guard = CrewReach(ranges, rules) if ranges is not None or rules else None
+        crew.policy.net = rules
+        crew.policy.decisions.clear()
+        changed = (before.allow, before.deny) != (rules.allow, rules.deny)
+        if changed:
+            # A pooled upstream connection was checked under the former rules and is reused
+            # without a new check: the crew's idle ones go (those in use end with their
+            # exchange), so that a new deny rule holds for the crew's next request.
+            self.dialer.close_idle(crew.name)
+            self.h2.forget_crew(crew.name)
+        return control.ControlReply(ok=True, changed=changed)
+
     def crew_named(self, name: str) -> CrewState | None:
         return next((c for c in self.crews.values() if c.name == name), None)
 
@@ -389,6 +415,8 @@ class ProxyRuntime:
             return self.add_crew(message)
         if isinstance(message, control.CrewRemove):
             return self.remove_crew(message.name)
+        if isinstance(message, control.CrewNet):
+            return self.set_crew_net(message)
         if isinstance(message, control.AuditPaused):
             changed = message.paused != self.audit_paused
             self.audit_paused = message.paused

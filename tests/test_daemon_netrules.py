@@ -99,6 +99,22 @@ def test_address_rules_end_to_end(appliance: Appliance) -> None:
         code, shown = app.ctl_json("crew", "show", name)
         assert code == 0 and shown["crew"]["net"] == crew["net"]
 
+        # Replaced at run time: only `other` now.
+        code, result = app.ctl_json("crew", "net", name, "--net", f"allow:tcp:{host}:{other.port}")
+        assert code == 0 and result["changed"], result
+        assert result["net"] == [f"allow:tcp:{host}/32:{other.port}"]
+        before = (allowed.hits, other.hits)
+        assert direct(other.port) == 0 and direct(allowed.port) != 0
+        assert (allowed.hits, other.hits) == (before[0], before[1] + 1)
+        code, shown = app.ctl_json("crew", "show", name)
+        assert shown["crew"]["net"] == result["net"]
+        done = app.ctl("--json", "journal", "tail", "-n", "200", "--type", "crew.net_changed")
+        rows = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        assert [json.loads(row["payload"])["net"] for row in rows] == [result["net"]]
+        created = app.ctl("--json", "journal", "tail", "-n", "200", "--type", "crew.created")
+        payloads = [json.loads(json.loads(line)["payload"]) for line in created.stdout.splitlines()]
+        assert [p["net"] for p in payloads if p["crew"] == name] == [crew["net"]]
+
         code, _ = app.ctl_json("crew", "rm", name)
         assert code == 0
         table = subprocess.run(

@@ -343,22 +343,30 @@ def test_a_running_proxy_refuses_a_denied_address_with_a_readable_403(
     refuses it all the same, for requests and CONNECT alike, and names itself."""
     import socket
 
+    from appliance.ctl.proxy import _control_request
+    from proxycore import control
     from proxycore.protocol.events import RequestDenied
 
     port = plain_host.port
     plain_host.clear()
-    proxy = make_proxy(allow=["plain.test"], net=[f"deny:tcp:127.0.0.1/32:{port}"])
-    done = subprocess.run(
-        [
-            *("curl", "-sS", "--noproxy", "", "--max-time", "10", "-x", proxy.url),
-            *("-w", "\n%{http_code}", f"http://plain.test:{port}/"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=15,
-    )
-    body, status = done.stdout.rsplit("\n", 1)
-    assert status == "403", done
+    deny = f"deny:tcp:127.0.0.1/32:{port}"
+    proxy = make_proxy(allow=["plain.test"], net=[deny], with_control=True)
+
+    def fetch() -> tuple[str, str]:
+        done = subprocess.run(
+            [
+                *("curl", "-sS", "--noproxy", "", "--max-time", "10", "-x", proxy.url),
+                *("-w", "\n%{http_code}", f"http://plain.test:{port}/"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+        body, status = done.stdout.rsplit("\n", 1)
+        return body, status
+
+    body, status = fetch()
+    assert status == "403", body
     refusal = json.loads(body)
     assert refusal["rule"] == "net_deny" and refusal["host"] == "plain.test"
     assert f"deny:tcp:127.0.0.1/32:{port}" in refusal["message"]
@@ -368,3 +376,14 @@ def test_a_running_proxy_refuses_a_denied_address_with_a_readable_403(
     denied = [e for e in proxy.events() if isinstance(e, RequestDenied)]
     assert [e.rule for e in denied] == ["net_deny", "net_deny"]
     assert not plain_host.received  # nothing reached the upstream
+
+    # Replaced at run time (applianced's `crew net`): no rule, then the deny rule again.
+    socket_path = str(proxy.control_socket)
+    reply = _control_request(socket_path, control.CrewNet(crew="test", net=()))
+    assert reply.ok and reply.changed
+    assert fetch()[1] == "200" and plain_host.received
+    reply = _control_request(socket_path, control.CrewNet(crew="test", net=(deny,)))
+    assert reply.ok and reply.changed
+    assert fetch()[1] == "403"
+    with pytest.raises(Exception, match=r"net\[0\]: 'allow:x'"):
+        _control_request(socket_path, control.CrewNet(crew="test", net=("allow:x",)))

@@ -199,6 +199,14 @@ def cmd_allow(args: argparse.Namespace, out: Output) -> int:
     return exits.OK
 
 
+def cmd_net(args: argparse.Namespace, out: Output) -> int:
+    result = context.client(args).set_net(args.name, tuple(args.net))
+    state = "replaced" if result.changed else "unchanged"
+    human = f"address rules of crew {args.name} {state}\n" + "\n".join(net_lines(result.net))
+    out.emit({"ok": True, **output.builtins(result)}, human, list(result.net))
+    return exits.OK
+
+
 def cmd_rm(args: argparse.Namespace, out: Output) -> int:
     result = context.client(args).remove_crew(args.name)
     out.emit({"ok": True, **output.builtins(result)}, f"crew {args.name} removed", [args.name])
@@ -259,6 +267,17 @@ def add_parsers(commands: Any, leaf: Any, watchable: Any) -> None:
     allow.add_argument("name")
     allow.add_argument("host")
     allow.set_defaults(func=cmd_allow)
+    net = leaf(crews.add_parser("net", help="replace a crew's address rules, at run time (--net)"))
+    net.add_argument("name")
+    net.add_argument(
+        "--net",
+        action="append",
+        default=[],
+        metavar=NET_SYNTAX,
+        help="an address rule, as for crew create (repeatable; every rule the crew is to have: "
+        "none clears them)",
+    )
+    net.set_defaults(func=cmd_net)
     rm = leaf(crews.add_parser("rm", help="remove a crew (containers, network, proxy)"))
     rm.add_argument("name")
     rm.set_defaults(func=cmd_rm)

@@ -67,7 +67,7 @@ from typing import Any
 import msgspec
 import trio
 
-from appliance.journal.entries import CrewFailed, CrewRemoved
+from appliance.journal.entries import CrewFailed, CrewNetChanged, CrewRemoved
 from appliance.journal.recorder import JournalRecorder, crew_created
 from appliance.runtime.base import (
     ContainerRole,
@@ -567,6 +567,28 @@ class CrewManager:
             changed = await self.proxy.allow(name, normalized)
             await self.journal.allowlist_changed(name, normalized, changed)
             return changed
+
+    async def set_net(self, name: str, net: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+        """Replace a crew's address rules: the row (the intent: a crash after it is repaired at
+        the next start), the kernel's sets (one batch), the proxy, the journal. Returns the
+        rules as applied and whether they changed."""
+        async with self.lock:
+            row = self._row(name)
+            normalized = self._net(net)
+            if row.phase is not CrewPhase.READY:
+                raise CrewBusy(f"crew {name!r} is {row.phase.value}, not ready")
+            if normalized == row.net:
+                return normalized, False
+            self.store.update(name, net=normalized)
+            try:
+                await trio.to_thread.run_sync(self.networks.set_net_rules, row.key, normalized)
+            except NetnsError as exc:
+                # The kernel kept the former rules (one atomic batch): so does everything else.
+                self.store.update(name, net=row.net)
+                raise DaemonError(f"crew {name!r}: address rules not applied: {exc}") from None
+            await self.proxy.set_net(name, normalized)
+            await self.journal.record(CrewNetChanged(crew=name, net=normalized))
+            return normalized, True
 
     def _forget_ca(self, name: str) -> None:
         if self.tls is not None:

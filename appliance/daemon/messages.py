@@ -45,6 +45,12 @@ class AllowHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str
 
 
+class SetNet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A crew's address rules, all of them (none: no rule)."""
+
+    net: tuple[str, ...] = ()
+
+
 class RunCommand(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     argv: tuple[str, ...]
     timeout: float | None = None
@@ -98,6 +104,12 @@ class CrewList(msgspec.Struct, frozen=True):
 class AllowResult(msgspec.Struct, frozen=True):
     crew: str
     host: str
+    changed: bool
+
+
+class NetResult(msgspec.Struct, frozen=True):
+    crew: str
+    net: tuple[str, ...]  # as applied: each rule in its one spelling
     changed: bool
 
 
@@ -373,6 +385,7 @@ class NetCrew(msgspec.Struct, frozen=True):
     accepted_bytes: int
     dropped_packets: int
     dropped_bytes: int
+    net: tuple[str, ...] = ()  # its address rules (netns CrewStatus.net)
 
 
 class NetReport(msgspec.Struct, frozen=True):

@@ -535,6 +535,17 @@ class ProxyPool:
             raise Unavailable(f"the proxy refused {host!r} for crew {name!r}: {reply.error}")
         return reply.changed
 
+    async def set_net(self, name: str, net: tuple[str, ...]) -> bool:
+        """A crew's address rules replaced in every worker (and for workers started later)."""
+        async with self.lock:
+            entry = self.crews.get(name)
+            if entry is not None:
+                self.crews[name] = msgspec.structs.replace(entry, net=net)
+            reply = await self._broadcast(control.CrewNet(crew=name, net=net))
+        if not reply.ok:
+            raise Unavailable(f"the proxy refused the rules for crew {name!r}: {reply.error}")
+        return reply.changed
+
     async def set_audit_paused(self, paused: bool) -> None:
         """Refuse (or serve again) every crew's traffic while the journal cannot record it."""
         async with self.lock:

@@ -342,7 +342,7 @@ class StateStore:
     def pool_delete(self, slot: str) -> None:
         self.db.execute("DELETE FROM pool WHERE slot=?", (slot,))
 
-    _UPDATABLE = frozenset({"phase", "infra_id", "agent_id", "gateway", "error", "allow"})
+    _UPDATABLE = frozenset({"phase", "infra_id", "agent_id", "gateway", "error", "allow", "net"})
 
     def update(self, name: str, **fields: object) -> None:
         unknown = set(fields) - self._UPDATABLE
@@ -352,7 +352,7 @@ class StateStore:
         for key, value in fields.items():
             if isinstance(value, enum.Enum):
                 value = value.value
-            elif key == "allow":
+            elif key in ("allow", "net"):
                 value = json.dumps(list(value))  # type: ignore[call-overload]
             values.append(value)
         # The column names come from _UPDATABLE (checked above), never from a caller's data.

@@ -377,6 +377,15 @@ class CrewCreated(Entry, frozen=True, tag="crew.created"):
         return f"crew created ({self.mode}, {self.runtime}, allow {allow}{net})"
 
 
+class CrewNetChanged(Entry, frozen=True, tag="crew.net_changed"):
+    """A crew's address rules replaced at run time (`crew net`): the whole new list."""
+
+    net: tuple[str, ...]
+
+    def summary(self) -> str:
+        return f"address rules: {', '.join(self.net) or 'none'}"
+
+
 class CrewRemoved(Entry, frozen=True, tag="crew.removed"):
     def summary(self) -> str:
         return "crew removed"
@@ -449,6 +458,7 @@ AnyEntry = (
     | CredentialChanged
     | CredentialPushFailed
     | CrewCreated
+    | CrewNetChanged
     | CrewRemoved
     | CrewFailed
     | Checkpoint
@@ -476,6 +486,7 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         CredentialChanged,
         CredentialPushFailed,
         CrewCreated,
+        CrewNetChanged,
         CrewRemoved,
         CrewFailed,
         Checkpoint,

@@ -329,6 +329,17 @@ class Dialer:
                     del upstreams.idle[key]
         return reaped
 
+    def close_idle(self, crew: str) -> None:
+        """Close a crew's idle connections, keeping its count of those in use (its rules
+        changed: a pooled connection was checked under the former ones)."""
+        upstreams = self.crews.get(crew)
+        if upstreams is not None:
+            for idle in upstreams.idle.values():
+                for connection in idle:
+                    connection.close()
+            upstreams.idle.clear()
+            upstreams.idle_count = 0
+
     def forget_crew(self, crew: str) -> None:
         """Close a removed crew's idle connections (those in use close when their task ends)."""
         upstreams = self.crews.pop(crew, None)
