@@ -685,7 +685,15 @@ class CrewNetworks:
                         state = state.with_record(detached)
                         changes.append(Change("took down", reason, record.crew))
                 plans = {crew: self._plan(record) for crew, (record, _) in kept.items()}
-                rules = {crew: self._rules(record) for crew, (record, _) in kept.items()}
+                rules: dict[str, tuple[NetRule, ...]] = {}
+                for crew, (record, _) in kept.items():
+                    try:
+                        rules[crew] = self._rules(record)
+                    except NetnsError as exc:
+                        # A state file edited by hand: the crew keeps its network, without
+                        # the rules (fail closed: it reaches its proxy port only).
+                        rules[crew] = ()
+                        changes.append(Change("ignored address rules", str(exc), crew))
                 wanted = {plan.ifname for plan in plans.values()}
 
                 # 2. Links nobody keeps: orphans, half-created, detaching, dead namespaces.

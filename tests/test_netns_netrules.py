@@ -10,6 +10,7 @@ Nothing leaves the machine.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,6 +164,16 @@ def test_the_rules_hold_after_a_restart_and_are_repaired(world: World) -> None:
         sh("nft", "delete", "table", "inet", lab.table)
         assert "created table" in net.reconcile().actions()
         expect(world, world.crew_a, ALLOWED, REFUSED)
+    # A state file edited by hand into a rule the kernel's reader refuses: the crew keeps its
+    # network without any rule (fail closed), and says so.
+    path = lab.state_dir / "netns-state.json"
+    state = json.loads(path.read_text())
+    state["crews"][0]["net"] = ["allow:tcp:198.51.100.10:80"]  # not its one spelling
+    path.write_text(json.dumps(state))
+    with networks(lab) as net:
+        changes = [(c.action, c.crew) for c in net.reconcile().changes]
+        assert ("ignored address rules", "crew-a") in changes
+        expect(world, world.crew_a, [], ALLOWED + REFUSED)
 
 
 def test_a_rule_change_costs_the_same_among_500_crews(world: World) -> None:
