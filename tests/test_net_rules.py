@@ -387,3 +387,13 @@ def test_a_running_proxy_refuses_a_denied_address_with_a_readable_403(
     assert fetch()[1] == "403"
     with pytest.raises(Exception, match=r"net\[0\]: 'allow:x'"):
         _control_request(socket_path, control.CrewNet(crew="test", net=("allow:x",)))
+
+
+def test_doctor_says_what_forwarded_rules_need_without_failing_the_host() -> None:
+    from appliance.daemon.config import parse_config
+    from appliance.daemon.doctor import _forwarding
+
+    check = _forwarding(parse_config(b""))
+    assert check.name == "forwarding" and not check.required
+    if not check.ok:
+        assert "DOCKER-USER -i apx+ -j ACCEPT" in check.hint or "ip_forward=1" in check.hint
