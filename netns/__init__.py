@@ -6,10 +6,13 @@ in the appliance's nftables table that lets it reach exactly one thing: TCP to t
 on its own gateway. Everything else (other host addresses, other crews, DNS, ICMP, IPv6,
 anything forwarded) is counted and dropped. And since the gateway is the crew's identity, the
 pool is refused to everything but the crews' own interfaces (the host itself, the LAN, other
-appliances' crews). docs/netns.md has the design and threat model.
+appliances' crews). A crew may also be given address rules (`netrules`: allow or deny by IPv4
+range, TCP or UDP, port), held in two nftables sets of its own: what an allow rule names, and
+no deny rule, is forwarded and masqueraded. docs/netns.md has the design and threat model.
 
 Modules, from the bottom up: `config` (frozen settings), `addressing` (the address plan, pure),
-`state` (the persistent allocation file), `nft` (table layout and atomic transactions), `kernel`
+`netrules` (address rules: their one spelling and disjoint set elements, pure), `state` (the
+persistent allocation file), `nft` (table layout and atomic transactions), `kernel`
 (netlink, namespaces, sysctls), `instances` (the claims checked and the renames done before a
 reconcile), `manager` (`CrewNetworks`: attach, detach, reconcile, show).
 This package imports nothing from `appliance/` or `proxycore/`.

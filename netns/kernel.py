@@ -21,8 +21,9 @@ a helper process per socket; a thread is cheaper by an order of magnitude here.
 IPv6 is switched off inside the namespace (all, default and the crew interface) *before* the
 veth exists, so the crew end is born without a link-local address and never processes a router
 advertisement (accept_ra=0 as well, should anything turn IPv6 back on); the host end gets
-disable_ipv6=1 before it is brought up. The host end also gets IPv4 forwarding off: the
-nftables rules already drop everything that is not for the proxy, this holds even with no table.
+disable_ipv6=1 before it is brought up. The host end also gets IPv4 forwarding off (on only for a
+crew with an allow rule, whose packets the table forwards): the nftables rules already drop
+everything that is not for the proxy, this holds even with no table.
 
 Every library error is converted here, once, into `KernelError` naming what was being done.
 """
@@ -331,8 +332,11 @@ class HostNetwork:
                 raise
             return True
 
-    def ensure_host_end(self, plan: CrewPlan, present: tuple[str, ...] | None = None) -> list[str]:
-        """Host end: IPv6 and forwarding off, the gateway address, up. Returns what changed.
+    def ensure_host_end(
+        self, plan: CrewPlan, present: tuple[str, ...] | None = None, *, forward: bool = False
+    ) -> list[str]:
+        """Host end: IPv6 off, forwarding off (on for a crew with an allow rule: `forward`),
+        the gateway address, up. Returns what changed.
 
         `present` is the link's IPv4 addresses if the caller already knows them (a link it just
         created has none; reconcile reads all links at once); otherwise they are read here.
@@ -347,8 +351,7 @@ class HostNetwork:
             if present is None:
                 present = _ipv4_addresses(self.ipr, index).get(index, ())
             changes += _ipv6_off((plan.ifname,))
-            if _write_sysctl(f"/proc/sys/net/ipv4/conf/{plan.ifname}/forwarding", "0"):
-                changes.append(f"net.ipv4.conf.{plan.ifname}.forwarding=0")
+            changes += self.set_forwarding(plan.ifname, forward)
             alias = f"appliance crew {plan.crew}"
             if message.get_attr("IFLA_IFALIAS") != alias:
                 self.ipr.link("set", index=index, ifalias=alias)
@@ -356,6 +359,17 @@ class HostNetwork:
             _ensure_addresses(self.ipr, index, want, present, changes, where)
             _ensure_up(self.ipr, message, changes, where)
         return changes
+
+    @staticmethod
+    def set_forwarding(ifname: str, on: bool) -> list[str]:
+        """IPv4 forwarding of packets that come in on a crew's host end (the kernel decides by
+        the input interface's setting): on only for a crew with an allow rule, so that a crew
+        without one is cut off from forwarding even with no table."""
+        value = "1" if on else "0"
+        with _converting(f"set forwarding on {ifname}"):
+            if _write_sysctl(f"/proc/sys/net/ipv4/conf/{ifname}/forwarding", value):
+                return [f"net.ipv4.conf.{ifname}.forwarding={value}"]
+        return []
 
     # Address-plan checks.
 

@@ -9,7 +9,8 @@ step):
     open namespace             the file, checked to be a network namespace not the host's
     allocate subnet            lowest free /30 not used by the host (kept if the crew had one)
     record intent              state file: crew -> subnet, phase CREATING, namespace identity
-    install rules              one nftables transaction: the crew's chain and map element
+    install rules              one nftables transaction: the crew's sets (its address rules),
+                               chain and map element
     disable IPv6 in namespace  all and default: every interface, present and future
     remove leftover link       a link of the crew's name from an earlier, interrupted setup
     create veth                host end in the host namespace, crew end born in the crew's
@@ -98,9 +99,13 @@ from .kernel import (
     harden_namespace,
     inspect_inner,
 )
+from .netrules import ACTIONS, NetRule, elements, parse_rules
 from .nft import (
     CREW_CHAIN_PREFIX,
     MAP,
+    SET_PREFIXES,
+    SET_TYPE,
+    Json,
     Layout,
     LibNftables,
     NftBackend,
@@ -109,6 +114,7 @@ from .nft import (
     base_differences,
     default_backend,
     read_table,
+    set_name,
 )
 from .state import CrewRecord, NetnsIdentity, NetState, Phase, StateStore
 
@@ -172,6 +178,8 @@ class CrewStatus(msgspec.Struct, frozen=True):
     accepted_bytes: int
     dropped_packets: int
     dropped_bytes: int
+    # Its address rules as recorded (netrules.py), which the kernel's sets hold.
+    net: tuple[str, ...] = ()
 
 
 class NetworkReport(msgspec.Struct, frozen=True):
@@ -311,6 +319,15 @@ class CrewNetworks:
     def _plan(self, record: CrewRecord) -> CrewPlan:
         return plan_for(self.pool, self.prefix, record.crew, record.index)
 
+    def _rules(self, record: CrewRecord) -> tuple[NetRule, ...]:
+        return parse_rules(record.net, self.pool)
+
+    def net_rules(self, crew: str) -> tuple[str, ...]:
+        """The crew's address rules as recorded (their one spelling)."""
+        with self._lock:
+            record = self._state.by_crew().get(crew)
+            return () if record is None else record.net
+
     def _old_naming(self) -> Naming | None:
         """The names the state's objects were made under, if they are not the current ones
         (state from before instance ids, or a changed table or prefix): `reconcile` renames."""
@@ -348,13 +365,21 @@ class CrewNetworks:
 
     # --- attach / detach -----------------------------------------------------------------------
 
-    def attach(self, crew: str, netns: str | os.PathLike[str]) -> CrewNetwork:
+    def attach(
+        self, crew: str, netns: str | os.PathLike[str], net: tuple[str, ...] | None = None
+    ) -> CrewNetwork:
         """Give a crew its network inside the namespace at `netns`; rules first, fail closed.
 
+        `net`: the crew's address rules (netrules.py), None to keep those recorded (if any).
         Idempotent for a crew already attached to the same namespace (missing pieces are
         restored). Raises CrewNetworkError naming the failed step, after rolling back.
         """
         check_crew_id(crew)
+        if net is not None:
+            try:
+                parse_rules(net, self.pool)
+            except NetnsError as exc:
+                raise CrewNetworkError(crew, "check rules", exc, rolled_back=False) from exc
         path = os.fspath(netns)
         with self._lock, self._host.session():
             if self._state.crews and self._old_naming() is not None:
@@ -378,20 +403,37 @@ class CrewNetworks:
                                 f"already attached to {_path(previous.netns)}; detach it first"
                             ),
                         )
+                    if net is not None and net != previous.net:
+                        previous = msgspec.structs.replace(previous, net=net)
+                        record = previous
+                        steps.run(
+                            "record rules", lambda: self._save(self._state.with_record(record))
+                        )
                     return self._restore(ns, previous, steps)
-                return self._create(ns, previous, steps)
+                return self._create(ns, previous, steps, net)
             finally:
                 ns.close()
 
-    def _create(self, ns: Namespace, previous: CrewRecord | None, steps: _Steps) -> CrewNetwork:
+    def _create(
+        self,
+        ns: Namespace,
+        previous: CrewRecord | None,
+        steps: _Steps,
+        net: tuple[str, ...] | None = None,
+    ) -> CrewNetwork:
         crew = steps.crew
+        if net is None:
+            net = previous.net if previous is not None else ()
         index: list[int] = []
         steps.run(
             "allocate subnet",
             lambda: index.append(previous.index if previous is not None else self._allocate(crew)),
         )
-        record = CrewRecord(crew=crew, index=index[0], phase=Phase.CREATING, netns=ns.identity)
+        record = CrewRecord(
+            crew=crew, index=index[0], phase=Phase.CREATING, netns=ns.identity, net=net
+        )
         plan = self._plan(record)
+        rules = self._rules(record)
         before = self._state
 
         def undo_record() -> None:
@@ -407,7 +449,7 @@ class CrewNetworks:
         steps.run("record intent", lambda: self._save(self._state.with_record(record)), undo_record)
         steps.run(
             "install rules",
-            lambda: self._nft.run(self.layout.install_crew(plan)),
+            lambda: self._nft.run(self.layout.install_crew(plan, rules)),
             lambda: self._nft.run(self.layout.remove_crew(plan.ifname)),
         )
         steps.run("disable IPv6 in namespace", lambda: harden_namespace(ns))
@@ -420,7 +462,10 @@ class CrewNetworks:
             lambda: self._host.delete_link(plan.ifname),
         )
         # A link just created has no address: no need to read them back.
-        steps.run("configure host end", lambda: self._host.ensure_host_end(plan, ()))
+        steps.run(
+            "configure host end",
+            lambda: self._host.ensure_host_end(plan, (), forward=_forwards(rules)),
+        )
         steps.run("configure crew end", lambda: ensure_inner(ns, plan, self.config.inner_ifname))
         ready = msgspec.structs.replace(record, phase=Phase.READY)
         steps.run("commit", lambda: self._save(self._state.with_record(ready)))
@@ -429,12 +474,18 @@ class CrewNetworks:
     def _restore(self, ns: Namespace, record: CrewRecord, steps: _Steps) -> CrewNetwork:
         """Bring an attached crew back to its plan; no rollback beyond what each step does."""
         plan = self._plan(record)
-        steps.run("install rules", lambda: self._nft.run(self.layout.install_crew(plan)))
-        self._ensure_plumbing(ns, plan, self._host.link(plan.ifname), [])
+        rules = self._rules(record)
+        steps.run("install rules", lambda: self._nft.run(self.layout.install_crew(plan, rules)))
+        self._ensure_plumbing(ns, plan, self._host.link(plan.ifname), [], _forwards(rules))
         return self._network(plan, ns.identity)
 
     def _ensure_plumbing(
-        self, ns: Namespace, plan: CrewPlan, link: LinkInfo | None, changes: list[str]
+        self,
+        ns: Namespace,
+        plan: CrewPlan,
+        link: LinkInfo | None,
+        changes: list[str],
+        forward: bool = False,
     ) -> None:
         """Make a live crew's veth, addresses and routes match its plan; `changes` says what
         was done. Raises CrewNetworkError naming the step (nothing to roll back: every step
@@ -455,7 +506,9 @@ class CrewNetworks:
                     self._host.create_veth(plan, inner, ns)
                     changes.append(f"created veth {plan.ifname} <-> {inner}")
                 step = "configure host end"
-                changes += self._host.ensure_host_end(plan, link.addresses if link else ())
+                changes += self._host.ensure_host_end(
+                    plan, link.addresses if link else (), forward=forward
+                )
                 step = "configure crew end"
                 try:
                     changes += ensure_inner(ns, plan, inner)
@@ -482,6 +535,50 @@ class CrewNetworks:
             address=plan.address,
             netns=identity,
         )
+
+    def set_net_rules(self, crew: str, net: tuple[str, ...]) -> list[Json]:
+        """Replace a crew's address rules: recorded, then its two sets replaced in one nftables
+        transaction (no chain rebuilt, no other crew touched) and its host end's forwarding set
+        to match. Returns the batch it ran (empty for a crew not attached now: its rules apply
+        when it is). Raises CrewNetworkError; on a kernel failure the former rules are recorded
+        again and the kernel keeps them (the batch is atomic)."""
+        check_crew_id(crew)
+        with self._lock:
+            record = self._state.by_crew().get(crew)
+            if record is None:
+                raise CrewNetworkError(
+                    crew, "check rules", NetnsError("no such crew"), rolled_back=False
+                )
+            updated = msgspec.structs.replace(record, net=net)
+            step = "check rules"
+            try:
+                rules = self._rules(updated)
+                step = "record rules"
+                self._save(self._state.with_record(updated))
+            except NetnsError as exc:
+                raise CrewNetworkError(crew, step, exc, rolled_back=False) from exc
+            if record.phase is not Phase.READY:
+                return []
+            plan = self._plan(updated)
+            batch = self.layout.set_rules(plan, rules)
+            step = "replace sets"
+            try:
+                # Forwarding on before the sets fill, off after they empty: in between, the
+                # table alone decides, as it always does.
+                if _forwards(rules):
+                    self._host.set_forwarding(plan.ifname, True)
+                self._nft.run(batch)
+                if not _forwards(rules):
+                    step = "set forwarding"
+                    self._host.set_forwarding(plan.ifname, False)
+            except NetnsError as exc:
+                try:
+                    self._save(self._state.with_record(record))
+                except NetnsError:
+                    pass  # the new rules stay recorded: reconcile applies them
+                raise CrewNetworkError(crew, step, exc, rolled_back=True) from exc
+            self._step(crew, step)
+            return batch
 
     def detach(self, crew: str) -> None:
         """Remove a crew's veth and rules; its subnet stays reserved for it. Idempotent."""
@@ -588,6 +685,15 @@ class CrewNetworks:
                         state = state.with_record(detached)
                         changes.append(Change("took down", reason, record.crew))
                 plans = {crew: self._plan(record) for crew, (record, _) in kept.items()}
+                rules: dict[str, tuple[NetRule, ...]] = {}
+                for crew, (record, _) in kept.items():
+                    try:
+                        rules[crew] = self._rules(record)
+                    except NetnsError as exc:
+                        # A state file edited by hand: the crew keeps its network, without
+                        # the rules (fail closed: it reaches its proxy port only).
+                        rules[crew] = ()
+                        changes.append(Change("ignored address rules", str(exc), crew))
                 wanted = {plan.ifname for plan in plans.values()}
 
                 # 2. Links nobody keeps: orphans, half-created, detaching, dead namespaces.
@@ -598,7 +704,7 @@ class CrewNetworks:
                         changes.append(Change("deleted link", ifname, self._owner(state, ifname)))
 
                 # 3. The table, in one transaction: rules before any link is restored.
-                changes += self._reconcile_table(list(plans.values()), state)
+                changes += self._reconcile_table(list(plans.values()), state, rules)
 
                 # 4. Plumbing of the crews kept, each on its own: one failure takes that crew
                 # down (fail closed) and does not stop the others.
@@ -606,7 +712,13 @@ class CrewNetworks:
                     plan = plans[crew]
                     done: list[str] = []
                     try:
-                        self._ensure_plumbing(namespace, plan, links.get(plan.ifname), done)
+                        self._ensure_plumbing(
+                            namespace,
+                            plan,
+                            links.get(plan.ifname),
+                            done,
+                            _forwards(rules.get(crew, ())),
+                        )
                     except NetnsError as exc:
                         changes.append(Change("failed to restore", str(exc), crew))
                         try:
@@ -654,10 +766,12 @@ class CrewNetworks:
             return None, f"namespace {record.netns.path} is gone (the path names another one)"
         return namespace, ""
 
-    def _reconcile_table(self, plans: list[CrewPlan], state: NetState) -> list[Change]:
+    def _reconcile_table(
+        self, plans: list[CrewPlan], state: NetState, rules: dict[str, tuple[NetRule, ...]]
+    ) -> list[Change]:
         table = read_table(self._nft, self.layout)
         if table is None:
-            self._nft.run(self.layout.rebuild(plans))
+            self._nft.run(self.layout.rebuild(plans, rules))
             return [Change("created table", f"inet {self.naming.table} with {len(plans)} crews")]
         differences = base_differences(self.layout, table)
         elements = table.maps.get(MAP, ("", "", {}))[2]
@@ -665,7 +779,7 @@ class CrewNetworks:
             key for key, target in elements.items() if target != f"jump {CREW_CHAIN_PREFIX}{key}"
         ]
         if differences or wrong_targets:
-            self._nft.run(self.layout.rebuild(plans))
+            self._nft.run(self.layout.rebuild(plans, rules))
             detail = "; ".join(
                 differences + [f"map element {key} misdirected" for key in wrong_targets]
             )
@@ -677,17 +791,39 @@ class CrewNetworks:
             for name in table.chains
             if name.startswith(CREW_CHAIN_PREFIX)
         }
+        present |= {name.split("_", 1)[1] for name in table.sets if name.startswith(SET_PREFIXES)}
         remove = sorted((present | set(elements)) - set(wanted))
         install = [plan for plan in plans if self._crew_differs(table, plan, elements)]
-        if not remove and not install:
+        refill = [
+            plan
+            for plan in plans
+            if plan not in install and self._sets_differ(table, plan, rules.get(plan.crew, ()))
+        ]
+        if not remove and not install and not refill:
             return changes
-        self._nft.run(self.layout.repair(install, remove))
+        self._nft.run(self.layout.repair(install, remove, rules, refill))
         changes += [
             Change("removed rules", f"chain {CREW_CHAIN_PREFIX}{i}", self._owner(state, i))
             for i in remove
         ]
         changes += [Change("restored rules", f"chain {plan.chain}", plan.crew) for plan in install]
+        changes += [
+            Change("restored address rules", f"sets of {plan.ifname}", plan.crew) for plan in refill
+        ]
         return changes
+
+    @staticmethod
+    def _sets_differ(table: TableState, plan: CrewPlan, rules: tuple[NetRule, ...]) -> bool:
+        for action in ACTIONS:
+            found = table.sets.get(set_name(action, plan.ifname))
+            if found is None:
+                return True
+            shape, boxes = found
+            if shape != (*SET_TYPE, "flag:interval"):
+                return True
+            if tuple(sorted(boxes, key=_box_key)) != elements(rules, action):
+                return True
+        return False
 
     def _owner(self, state: NetState, ifname: str) -> str | None:
         for record in state.crews:
@@ -763,8 +899,9 @@ class CrewNetworks:
             RuleCounter(rule.comment.split(" ", 1)[0], rule.comment, rule.packets, rule.bytes)
             for rule in (chain.rules if chain else ())
         )
-        accepted = [r for r in rules if r.role == "allow"]
-        dropped = [r for r in rules if r.role == "drop"]
+        # A forwarded packet is counted twice (the chain judges it in prerouting and forward).
+        accepted = [r for r in rules if r.role in ("allow", "net-allow")]
+        dropped = [r for r in rules if r.role in ("drop", "to-pool", "net-deny")]
         return CrewStatus(
             crew=record.crew,
             phase=record.phase.value,
@@ -782,12 +919,22 @@ class CrewNetworks:
             accepted_bytes=sum(r.bytes for r in accepted),
             dropped_packets=sum(r.packets for r in dropped),
             dropped_bytes=sum(r.bytes for r in dropped),
+            net=record.net,
         )
 
     def delete_table(self) -> None:
         """Remove the whole table (uninstall, tests). Crews lose every rule: detach them first."""
         with self._lock:
             self._nft.run(self.layout.delete_table())
+
+
+def _forwards(rules: tuple[NetRule, ...]) -> bool:
+    return any(rule.action == "allow" for rule in rules)
+
+
+def _box_key(box: object) -> tuple[object, ...]:
+    # None (an element the appliance never writes) sorts first and never equals a Box.
+    return (0,) if box is None else (1, box)
 
 
 def _same(a: NetnsIdentity, b: NetnsIdentity) -> bool:

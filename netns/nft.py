@@ -21,13 +21,37 @@ Layout (family inet, so one table sees IPv4 and IPv6)::
                 reject with icmpx admin-prohibited                     the host is not a crew
             ip daddr <pool> counter name foreign_to_pool drop          nor is anything else
     chain forward        hook forward, priority -150
+            iifname vmap @crew_ingress                           the crew's chain, again
             iifname "apx*" counter name forward_from_crews drop
+            oifname "apx*" ct direction reply ct state {established, related} accept
             oifname "apx*" counter name forward_to_crews drop
+    chain postrouting    type nat hook postrouting, priority 100 (srcnat)
+            ip saddr <pool> oifname != "apx*" masquerade           the pool is not routable
+    set   allow_<ifname>, deny_<ifname>   (two per crew)
+            type ipv4_addr . inet_proto . inet_service; flags interval
     chain crew_<ifname>  (one per crew, reached only through the map)
             ip saddr <crew> ip daddr <gateway> tcp dport {ports} ct state {new, established}
                 counter accept
+            ip daddr <pool> counter drop                         no crew reaches another
+            ip daddr . meta l4proto . th dport @deny_<ifname> counter drop
+            ip saddr <crew> ip daddr . meta l4proto . th dport @allow_<ifname>
+                ct state {new, established} counter accept
             [limit rate N/minute log prefix "<prefix> drop <crew>: "]
             counter drop
+
+Address rules (docs/netns.md "Address rules", netns/netrules.py): a crew's allow and deny rules
+are the elements of its two sets, deny looked up first (deny wins), and the pool dropped before
+either (no rule reaches another crew). A packet the crew's chain accepts for an address that is
+not the host's own is forwarded: the forward chain sends it through the same map to the same
+chain, which judges it the same way (its counters count it twice), and masquerades it on the
+way out (the pool is not routable; the reply is de-masqueraded by conntrack after the
+prerouting chain has seen it addressed to the host, so the pool rules do not catch it). Replies
+go back to a crew only for connections the crew opened (conntrack's reply direction). UDP and
+any port other than the proxy's leave only where an allow rule names them. A rule change
+replaces the crew's two sets (flush, add: `Layout.set_rules`), a batch whose size depends on
+the crew's own rules, not on how many crews there are; no chain is rebuilt. Forwarding also
+needs the host end's `forwarding` sysctl, set on only for a crew with an allow rule (kernel.py),
+and a host that forwards replies on its uplink (`net.ipv4.ip_forward=1`, as on a Docker host).
 
 A packet from a crew interface is judged in prerouting, before the routing decision: the same
 rules therefore stop traffic to the host's own addresses (which would go to the input hook) and
@@ -87,12 +111,13 @@ import json
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .addressing import CrewPlan, chain_name
 from .errors import NftError
+from .netrules import ACTIONS, Box, NetRule, elements
 
 Json = dict[str, Any]
 
@@ -100,15 +125,20 @@ FAMILY = "inet"
 MAP = "crew_ingress"
 PREROUTING = "prerouting"
 FORWARD = "forward"
+POSTROUTING = "postrouting"
 CREW_CHAIN_PREFIX = "crew_"
+# A crew's address rules: two interval sets per crew, "allow_<ifname>" and "deny_<ifname>".
+SET_PREFIXES = tuple(f"{action}_" for action in ACTIONS)
+SET_TYPE = ("ipv4_addr", "inet_proto", "inet_service")
 COUNTERS = ("unmapped_drops", "forward_from_crews", "forward_to_crews", "foreign_to_pool")
 # The roles of the rules that refuse packets to the pool from elsewhere: from anywhere (its
 # comment names the pool, read by `pool_claims`), and from the host itself.
 FOREIGN_ROLE = "foreign"
 LOCAL_ROLE = "foreign-local"
 # Bumped when the layout changes, so that reconciliation rebuilds tables of an older layout
-# (2: the pool refused to everything but the crews' own interfaces).
-LAYOUT_VERSION = 2
+# (2: the pool refused to everything but the crews' own interfaces; 3: address rules, their
+# sets, the forward dispatch and the masquerade).
+LAYOUT_VERSION = 3
 
 
 class NftBackend(Protocol):
@@ -249,6 +279,68 @@ def _payload(protocol: str, name: str) -> Json:
     return {"payload": {"protocol": protocol, "field": name}}
 
 
+def set_name(action: str, ifname: str) -> str:
+    return f"{action}_{ifname}"
+
+
+def _element(box: Box) -> Json:
+    """One set element as libnftables-json writes it: the address range (a prefix when it is
+    one, as the kernel lists it back), the protocol, the port range."""
+    first, last = ipaddress.IPv4Address(box.first), ipaddress.IPv4Address(box.last)
+    address: object
+    if first == last:
+        address = str(first)
+    else:
+        networks = list(ipaddress.summarize_address_range(first, last))
+        if len(networks) == 1:
+            address = {
+                "prefix": {"addr": str(networks[0].network_address), "len": networks[0].prefixlen}
+            }
+        else:
+            address = {"range": [str(first), str(last)]}
+    port: object = box.low if box.low == box.high else {"range": [box.low, box.high]}
+    return {"concat": [address, box.protocol, port]}
+
+
+def _read_address(value: object) -> tuple[int, int]:
+    if isinstance(value, str):
+        number = int(ipaddress.IPv4Address(value))
+        return number, number
+    if isinstance(value, dict) and isinstance(value.get("prefix"), dict):
+        network = ipaddress.IPv4Network(
+            f"{value['prefix']['addr']}/{value['prefix']['len']}", strict=False
+        )
+        return int(network.network_address), int(network.broadcast_address)
+    if isinstance(value, dict) and isinstance(value.get("range"), list):
+        low, high = value["range"]
+        return int(ipaddress.IPv4Address(low)), int(ipaddress.IPv4Address(high))
+    raise ValueError(f"address {value!r}")
+
+
+def _read_port(value: object) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, dict) and isinstance(value.get("range"), list):
+        low, high = value["range"]
+        return int(low), int(high)
+    raise ValueError(f"port {value!r}")
+
+
+def read_element(value: object) -> Box | None:
+    """A set element as the kernel lists it, or None if it is not one the appliance writes."""
+    if isinstance(value, dict) and isinstance(value.get("elem"), dict):
+        value = value["elem"].get("val")  # an element listed with its own attributes
+    if not isinstance(value, dict) or not isinstance(value.get("concat"), list):
+        return None
+    try:
+        address, protocol, port = value["concat"]
+        first, last = _read_address(address)
+        low, high = _read_port(port)
+    except (ValueError, TypeError, KeyError):
+        return None
+    return Box(str(protocol), first, last, low, high)
+
+
 @dataclass(frozen=True)
 class RuleSpec:
     """A rule as the appliance writes it: its expression and the comment that identifies it."""
@@ -283,6 +375,13 @@ class Layout:
 
     def _obj(self, **fields: object) -> Json:
         return {"family": FAMILY, "table": self.table, **fields}
+
+    def _pool_match(self) -> Json:
+        network = ipaddress.IPv4Network(self.pool)
+        return _match(
+            _payload("ip", "daddr"),
+            {"prefix": {"addr": str(network.network_address), "len": network.prefixlen}},
+        )
 
     # The base: table, map, counters, hooked chains.
 
@@ -342,18 +441,57 @@ class Layout:
                 ),
             ),
             FORWARD: (
+                # A crew's packet to be forwarded meets its chain again: accepted only where
+                # one of its allow rules names the destination (an interface without a chain
+                # falls through to the drop below).
+                RuleSpec("forward", ({"vmap": {"key": _meta("iifname"), "data": "@" + MAP}},)),
                 RuleSpec(
                     "from-crews",
                     (_match(_meta("iifname"), wildcard), {"counter": COUNTERS[1]}, {"drop": None}),
+                ),
+                # Back to a crew: only the replies of connections it opened (and their ICMP
+                # errors), which an allow rule let out.
+                RuleSpec(
+                    "replies",
+                    (
+                        _match(_meta("oifname"), wildcard),
+                        _match(_ct("direction"), "reply"),
+                        _in(_ct("state"), ["established", "related"]),
+                        {"accept": None},
+                    ),
                 ),
                 RuleSpec(
                     "to-crews",
                     (_match(_meta("oifname"), wildcard), {"counter": COUNTERS[2]}, {"drop": None}),
                 ),
             ),
+            # The pool is not routable beyond this host: what a crew sends out, forwarded, leaves
+            # with the host's address. Matched by source (postrouting knows no input interface);
+            # only crews' packets that their chain accepted are forwarded from the pool.
+            POSTROUTING: (
+                RuleSpec(
+                    "masquerade",
+                    (
+                        _match(
+                            _payload("ip", "saddr"),
+                            {
+                                "prefix": {
+                                    "addr": str(network.network_address),
+                                    "len": network.prefixlen,
+                                }
+                            },
+                        ),
+                        {"match": {"op": "!=", "left": _meta("oifname"), "right": wildcard}},
+                        {"masquerade": None},
+                    ),
+                ),
+            ),
         }
 
     def base_chain_spec(self, name: str) -> Json:
+        if name == POSTROUTING:
+            # srcnat (nft(8)): after the filter chains, where the source NAT hooks belong.
+            return self._obj(name=name, type="nat", hook="postrouting", prio=100, policy="accept")
         hook = {PREROUTING: "prerouting", FORWARD: "forward"}[name]
         return self._obj(name=name, type="filter", hook=hook, prio=self.priority, policy="accept")
 
@@ -396,7 +534,33 @@ class Layout:
             ),
             plan.crew,
         )
-        rules = [allow]
+        lookup = {"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}
+        rules = [
+            allow,
+            # No crew reaches another crew or its gateway, whatever its rules say (they are
+            # refused at input too: netrules.parse_rules).
+            RuleSpec("to-pool", (self._pool_match(), {"counter": None}, {"drop": None}), plan.crew),
+            RuleSpec(
+                "net-deny",
+                (
+                    _match(lookup, "@" + set_name("deny", plan.ifname)),
+                    {"counter": None},
+                    {"drop": None},
+                ),
+                plan.crew,
+            ),
+            RuleSpec(
+                "net-allow",
+                (
+                    _match(_payload("ip", "saddr"), plan.address),
+                    _match(lookup, "@" + set_name("allow", plan.ifname)),
+                    _in(_ct("state"), ["new", "established"]),
+                    {"counter": None},
+                    {"accept": None},
+                ),
+                plan.crew,
+            ),
+        ]
         if self.log_drops:
             rules.append(
                 RuleSpec(
@@ -416,9 +580,32 @@ class Layout:
         rules.append(RuleSpec("drop", ({"counter": None}, {"drop": None}), plan.crew))
         return tuple(rules)
 
-    def _crew_objects(self, plan: CrewPlan) -> list[Json]:
+    def _set_objects(self, ifname: str, rules: Sequence[NetRule]) -> list[Json]:
+        """The crew's two sets, created if missing and given exactly the rules' elements."""
+        commands: list[Json] = []
+        for action in ACTIONS:
+            name = set_name(action, ifname)
+            commands += [
+                {"add": {"set": self._obj(name=name, type=list(SET_TYPE), flags=["interval"])}},
+                {"flush": {"set": self._obj(name=name)}},
+            ]
+            boxes = elements(rules, action)
+            if boxes:
+                elem = [_element(box) for box in boxes]
+                commands.append({"add": {"element": self._obj(name=name, elem=elem)}})
+        return commands
+
+    def set_rules(self, plan: CrewPlan, rules: Sequence[NetRule]) -> list[Json]:
+        """A rule change: the crew's sets replaced in one transaction, nothing else touched.
+        At most six commands, whatever the number of crews (no prelude: a table that is gone
+        makes the batch fail, and reconcile rebuilds it)."""
+        return self._set_objects(plan.ifname, rules)
+
+    def _crew_objects(self, plan: CrewPlan, rules: Sequence[NetRule] = ()) -> list[Json]:
         chain = plan.chain
-        commands: list[Json] = [
+        # The sets before the rules that look them up.
+        commands: list[Json] = self._set_objects(plan.ifname, rules)
+        commands += [
             {"add": {"chain": self._obj(name=chain)}},
             {"flush": {"chain": self._obj(name=chain)}},
         ]
@@ -434,27 +621,37 @@ class Layout:
         )
         return commands
 
-    def install_crew(self, plan: CrewPlan) -> list[Json]:
-        """The crew's chain and map element, with the prelude: one atomic batch."""
-        return [*self.prelude(), *self._crew_objects(plan)]
+    def install_crew(self, plan: CrewPlan, rules: Sequence[NetRule] = ()) -> list[Json]:
+        """The crew's sets, chain and map element, with the prelude: one atomic batch."""
+        return [*self.prelude(), *self._crew_objects(plan, rules)]
 
     def _remove_objects(self, ifname: str) -> list[Json]:
         chain = chain_name(ifname)
         # add-then-delete makes the removal idempotent: it succeeds whether or not the chain and
         # the element exist. The chain is flushed before it is deleted because kernels before
         # 5.x refuse to delete a chain that still has rules (EBUSY).
-        return [
+        # The sets go after the chain whose rules refer to them (a set in use cannot go).
+        commands: list[Json] = [
             {"add": {"chain": self._obj(name=chain)}},
             {"add": {"element": self._obj(name=MAP, elem=[[ifname, {"jump": {"target": chain}}]])}},
             {"delete": {"element": self._obj(name=MAP, elem=[ifname])}},
             {"flush": {"chain": self._obj(name=chain)}},
             {"delete": {"chain": self._obj(name=chain)}},
         ]
+        for action in ACTIONS:
+            name = set_name(action, ifname)
+            commands += [
+                {"add": {"set": self._obj(name=name, type=list(SET_TYPE), flags=["interval"])}},
+                {"delete": {"set": self._obj(name=name)}},
+            ]
+        return commands
 
     def remove_crew(self, ifname: str) -> list[Json]:
         return [*self.prelude(), *self._remove_objects(ifname)]
 
-    def rebuild(self, plans: Iterable[CrewPlan]) -> list[Json]:
+    def rebuild(
+        self, plans: Iterable[CrewPlan], rules: Mapping[str, Sequence[NetRule]] | None = None
+    ) -> list[Json]:
         """Replace the whole table in one transaction (add, delete, re-create)."""
         commands: list[Json] = [
             {"add": {"table": {"family": FAMILY, "name": self.table}}},
@@ -462,15 +659,25 @@ class Layout:
             *self.prelude(),
         ]
         for plan in plans:
-            commands += self._crew_objects(plan)
+            commands += self._crew_objects(plan, (rules or {}).get(plan.crew, ()))
         return commands
 
-    def repair(self, install: Iterable[CrewPlan], remove: Iterable[str]) -> list[Json]:
+    def repair(
+        self,
+        install: Iterable[CrewPlan],
+        remove: Iterable[str],
+        rules: Mapping[str, Sequence[NetRule]] | None = None,
+        refill: Iterable[CrewPlan] = (),
+    ) -> list[Json]:
+        """Remove crews' objects, install crews whole, and give crews whose chain is right
+        but whose sets are not their rules' elements again (`refill`)."""
         commands = self.prelude()
         for ifname in remove:
             commands += self._remove_objects(ifname)
         for plan in install:
-            commands += self._crew_objects(plan)
+            commands += self._crew_objects(plan, (rules or {}).get(plan.crew, ()))
+        for plan in refill:
+            commands += self._set_objects(plan.ifname, (rules or {}).get(plan.crew, ()))
         return commands
 
     def drop_table(self, table: str) -> list[Json]:
@@ -528,7 +735,10 @@ class TableState:
     # map name -> (key type, data type, {key: jump target or verdict text})
     maps: dict[str, tuple[str, str, dict[str, str]]] = field(default_factory=dict)
     counters: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # Objects of kinds the appliance never creates (sets, flowtables, quotas...).
+    # set name -> (its type and flags, its elements as the appliance reads them; None among
+    # them for an element of a shape the appliance never writes)
+    sets: dict[str, tuple[tuple[str, ...], tuple[Box | None, ...]]] = field(default_factory=dict)
+    # Objects of kinds the appliance never creates (flowtables, quotas...).
     foreign: tuple[str, ...] = ()
 
 
@@ -546,6 +756,7 @@ def parse_table(items: Sequence[Json]) -> TableState:
     rules: dict[str, list[RuleState]] = {}
     maps: dict[str, tuple[str, str, dict[str, str]]] = {}
     counters: dict[str, tuple[int, int]] = {}
+    sets: dict[str, tuple[tuple[str, ...], tuple[Box | None, ...]]] = {}
     foreign: list[str] = []
     for item in items:
         kind, body = next(iter(item.items()))
@@ -581,6 +792,12 @@ def parse_table(items: Sequence[Json]) -> TableState:
             maps[body["name"]] = (str(body.get("type")), str(body.get("map")), elements)
         elif kind == "counter":
             counters[body["name"]] = (int(body.get("packets", 0)), int(body.get("bytes", 0)))
+        elif kind == "set":
+            kind_of = body.get("type")
+            shape = tuple(kind_of) if isinstance(kind_of, list) else (str(kind_of),)
+            shape += tuple(f"flag:{flag}" for flag in body.get("flags", ()))
+            elems = tuple(read_element(value) for value in body.get("elem", ()))
+            sets[body["name"]] = (shape, elems)
         else:
             foreign.append(f"{kind} {body.get('name', '?')}")
     return TableState(
@@ -597,6 +814,7 @@ def parse_table(items: Sequence[Json]) -> TableState:
         },
         maps=maps,
         counters=counters,
+        sets=sets,
         foreign=tuple(foreign),
     )
 
@@ -642,6 +860,10 @@ def base_differences(layout: Layout, table: TableState) -> list[str]:
     for name in table.counters:
         if name not in COUNTERS:
             found.append(f"unknown counter {name}")
+    for name in table.sets:
+        # A crew's sets are the crew's business (the manager compares them with its rules).
+        if not name.startswith(SET_PREFIXES):
+            found.append(f"unknown set {name}")
     found += [f"unknown {what}" for what in table.foreign]
     return found
 

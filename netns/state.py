@@ -22,6 +22,9 @@ appliance writes into its table, so that a second appliance configured with the 
 id is recognised and refused rather than taking the table over. A version 1 file (from before
 instance ids) has neither: its objects carry the configured names as they are, and the next
 `reconcile` renames them (docs/netns.md, "Instances").
+
+Version 3 records each crew's address rules (`CrewRecord.net`), so that `reconcile` restores
+its sets after a restart; an older file's crews have none.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from .errors import StateError
 
 STATE_FILE = "netns-state.json"
 LOCK_FILE = "netns-state.lock"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class Phase(enum.Enum):
@@ -67,6 +70,9 @@ class CrewRecord(msgspec.Struct, frozen=True):
     index: int
     phase: Phase
     netns: NetnsIdentity | None = None
+    # The crew's address rules in their one spelling (netrules.py); version 3. A record of an
+    # older file has none.
+    net: tuple[str, ...] = ()
 
 
 class NetState(msgspec.Struct, frozen=True):

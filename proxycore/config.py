@@ -24,6 +24,7 @@ import msgspec
 from native.scrub_patterns import token_shape
 from proxycore.errors import ConfigError, PolicyDenied
 from proxycore.protocol.l7 import MAX_RULES, HostRule, L7Rules, RuleError
+from proxycore.protocol.netrules import MAX_NET_RULES, parse_net_rule
 from proxycore.protocol.policy import (
     DEFAULT_ALLOWED_HOSTS,
     Allowlist,
@@ -149,6 +150,10 @@ class CrewConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # when a rule allows them, and a CONNECT tunnel to it is refused (docs/proxy.md) unless
     # the crew holds a leaf for it (then the tunnel is terminated and its requests held to them).
     rules: tuple[RuleConfig, ...] = ()
+    # Address rules, "allow:tcp:10.9.0.0/24:5432" (proxycore/protocol/netrules.py): a resolved
+    # address in a deny rule is refused whatever else allows it; one in a TCP allow rule passes
+    # the SSRF guard for this crew (and, as an IP literal, the allowlist).
+    net: tuple[str, ...] = ()
     # Hosts whose CONNECT tunnels are terminated (docs/proxy.md "TLS termination"); more may
     # arrive at run time (control.CrewLeaves), which replaces these.
     leaves: tuple[LeafConfig, ...] = ()
@@ -330,6 +335,13 @@ def validate(config: ProxyConfig, *, source: str) -> list[str]:
             AddressGuard(crew.ssrf_allow)
         except ValueError as exc:
             raise fail(f"{key}.ssrf_allow", str(exc)) from None
+        for j, text in enumerate(crew.net):
+            try:
+                parse_net_rule(text)
+            except ValueError as exc:
+                raise fail(f"{key}.net[{j}]", str(exc)) from None
+        if len(crew.net) > MAX_NET_RULES:
+            raise fail(f"{key}.net", f"over {MAX_NET_RULES} rules")
         for j, rule in enumerate(crew.rules):
             try:
                 host_rule(rule)

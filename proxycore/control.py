@@ -20,6 +20,15 @@ class AllowHost(msgspec.Struct, frozen=True, tag="allow_host", forbid_unknown_fi
     host: str
 
 
+class CrewNet(msgspec.Struct, frozen=True, tag="crew_net", forbid_unknown_fields=True):
+    """Replace a crew's address rules (`CrewConfig.net`) at run time: they decide every
+    connection opened from then on (open ones keep going; the kernel's rules, changed by
+    applianced in the same step, judge every packet)."""
+
+    crew: str
+    net: tuple[str, ...] = ()
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
     pass
 
@@ -63,6 +72,8 @@ class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields
     ssrf_allow: tuple[str, ...] = ()
     # Method and path rules for some hosts (`CrewConfig.rules`).
     rules: tuple[RuleConfig, ...] = ()
+    # Address rules (`CrewConfig.net`).
+    net: tuple[str, ...] = ()
 
 
 class CrewRemove(msgspec.Struct, frozen=True, tag="crew_remove", forbid_unknown_fields=True):
@@ -151,6 +162,7 @@ class CrewApprovals(msgspec.Struct, frozen=True, tag="crew_approvals", forbid_un
 ControlMessage = (
     AllowHost
     | CrewApprovals
+    | CrewNet
     | Ping
     | ReloadCredentials
     | CredentialsSet

@@ -40,7 +40,7 @@ from proxycore.io.dns import Resolver
 from proxycore.io.http2 import h2_limits
 from proxycore.io.leaves import LeafError, load_leaves, read_leaf_files
 from proxycore.io.sinks import EventSink
-from proxycore.io.upstream import Dialer, make_tls_context
+from proxycore.io.upstream import CrewReach, Dialer, make_tls_context
 from proxycore.io.upstream_h2 import H2Pool
 from proxycore.protocol import http1
 from proxycore.protocol.credentials import (
@@ -53,6 +53,7 @@ from proxycore.protocol.credentials import (
 )
 from proxycore.protocol.events import AllowlistChanged, PolicyWarning
 from proxycore.protocol.fairness import Activity, Pacer
+from proxycore.protocol.netrules import NetRules, parse_net_rules
 from proxycore.protocol.policy import Allowlist, CrewPolicy, normalize_host, parse_mode
 from proxycore.protocol.scrubbing import ScrubberHolder, configured_shapes
 from proxycore.protocol.ssrf import AddressGuard
@@ -95,8 +96,9 @@ class CrewState:
     # The policy's name and mode, kept here too: read on every request.
     name: str
     mode: str
-    # The ranges this crew alone may reach past the SSRF guard (`CrewConfig.ssrf_allow`).
-    guard: AddressGuard | None
+    # The ranges this crew alone may reach past the SSRF guard (`CrewConfig.ssrf_allow`) and
+    # its address rules (`CrewConfig.net`).
+    guard: CrewReach | None
     lookups: trio.CapacityLimiter
     buffered: BufferBudget
     # Its pace of new requests and connections while another crew is active (fairness.py).
@@ -215,13 +217,19 @@ class ProxyRuntime:
                 mode,
                 allowlist,
                 crew_rules(crew),
+                NetRules(parse_net_rules(crew.net)),
                 approval_window=(
                     self.config.approvals.window if self.config.approvals.enabled else None
                 ),
             ),
             name=crew.name,
             mode=mode.value,
-            guard=AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
+            guard=CrewReach(
+                AddressGuard(crew.ssrf_allow) if crew.ssrf_allow else None,
+                NetRules(parse_net_rules(crew.net)),
+            )
+            if crew.ssrf_allow or crew.net
+            else None,
             lookups=trio.CapacityLimiter(limits.dns_lookups_per_crew),
             buffered=BufferBudget(limits.max_buffered_bytes_per_crew),
             requests=Pacer(
@@ -249,6 +257,7 @@ class ProxyRuntime:
             allow=message.allow,
             ssrf_allow=message.ssrf_allow,
             rules=message.rules,
+            net=message.net,
         )
         try:
             validate(ProxyConfig(crew=(crew,)), source="crew_add")
@@ -342,6 +351,32 @@ class ProxyRuntime:
     def crew_for(self, local_address: str) -> CrewState | None:
         return self.crews.get(local_address)
 
+    def set_crew_net(self, message: control.CrewNet) -> control.ControlReply:
+        """A crew's address rules replaced: its dialer check and its name policy together (the
+        policy's memo cleared, its idle upstream connections closed), or nothing if a rule is
+        refused. Open tunnels and exchanges keep going (the kernel's rules, which applianced
+        changes in the same step, do not concern them: they leave from the proxy)."""
+        crew = self.crew_named(message.crew)
+        if crew is None:
+            return control.ControlReply(ok=False, error=f"no crew {message.crew!r}")
+        try:
+            rules = NetRules(parse_net_rules(message.net))
+        except ValueError as exc:
+            return control.ControlReply(ok=False, error=f"crew_net: net{exc}")
+        ranges = crew.guard.ranges if crew.guard is not None else None
+        before = crew.policy.net
+        crew.guard = CrewReach(ranges, rules) if ranges is not None or rules else None
+        crew.policy.net = rules
+        crew.policy.decisions.clear()
+        changed = (before.allow, before.deny) != (rules.allow, rules.deny)
+        if changed:
+            # A pooled upstream connection was checked under the former rules and is reused
+            # without a new check: the crew's idle ones go (those in use end with their
+            # exchange), so that a new deny rule holds for the crew's next request.
+            self.dialer.close_idle(crew.name)
+            self.h2.forget_crew(crew.name)
+        return control.ControlReply(ok=True, changed=changed)
+
     def crew_named(self, name: str) -> CrewState | None:
         return next((c for c in self.crews.values() if c.name == name), None)
 
@@ -424,6 +459,8 @@ class ProxyRuntime:
             return self.add_crew(message)
         if isinstance(message, control.CrewRemove):
             return self.remove_crew(message.name)
+        if isinstance(message, control.CrewNet):
+            return self.set_crew_net(message)
         if isinstance(message, control.AuditPaused):
             changed = message.paused != self.audit_paused
             self.audit_paused = message.paused

@@ -273,6 +273,7 @@ def write_proxy_config(
     with_control: bool = False,
     listen_addresses: list[str] | None = None,
     resolve_names: list[str] | None = None,
+    net: list[str] | None = None,
 ) -> tuple[Path, Path, Path | None]:
     events = tmp / "events.jsonl"
     control = tmp / "control.sock" if with_control else None
@@ -294,6 +295,7 @@ mode = "{mode}"
 allow = [{allow_list}]
 # The test upstreams listen on this host's loopback, which only a range the crew names opens.
 ssrf_allow = [{ssrf}]
+net = [{", ".join(f'"{rule}"' for rule in (net or []))}]
 
 [providers.anthropic]
 base_url = "https://api.anthropic.test:{provider_port}"

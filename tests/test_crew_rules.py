@@ -174,10 +174,11 @@ def test_a_state_from_before_rules_migrates(tmp_path: Path) -> None:
     store = StateStore(tmp_path)
     try:
         (row,) = store.crews()
-        assert (row.name, row.allow, row.ssrf_allow, row.rules) == (
+        assert (row.name, row.allow, row.ssrf_allow, row.rules, row.net) == (
             "a",
             ("x.test",),
             ("10.0.0.0/8",),
+            (),
             (),
         )
         # Not a state from before instance ids: nothing to adopt by legacy names.
@@ -188,7 +189,7 @@ def test_a_state_from_before_rules_migrates(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "applianced.db")
     meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     db.close()
-    assert meta["schema_version"] == str(SCHEMA_VERSION) == "5"
+    assert meta["schema_version"] == str(SCHEMA_VERSION) == "6"
     assert "legacy_crews" not in meta
     StateStore(tmp_path).close()  # opened again: nothing migrates twice
 

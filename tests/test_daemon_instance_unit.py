@@ -95,7 +95,7 @@ def test_a_state_from_before_instance_ids_migrates(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "applianced.db")
     meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     db.close()
-    assert meta["schema_version"] == str(SCHEMA_VERSION) == "5"
+    assert meta["schema_version"] == str(SCHEMA_VERSION) == "6"
     assert json.loads(meta["legacy_crews"]) == ["a", "b"]
     # Opened again: nothing migrates twice.
     StateStore(tmp_path).close()

@@ -135,7 +135,7 @@ def test_state_from_before_instance_ids_is_renamed(lab: Lab) -> None:
             assert_policy(lab, ns, plan.gateway, proxy="connected")
         assert net.reconcile().changes == ()
     data = json.loads((lab.state_dir.parent / "s" / "netns-state.json").read_text())
-    assert data["version"] == 2 and data["naming"]["instance"] == "prod"
+    assert data["version"] == 3 and data["naming"]["instance"] == "prod"
 
 
 def test_a_former_table_that_another_appliance_shares_stops_the_start(lab: Lab) -> None:

@@ -299,7 +299,14 @@ def test_show_reports_addresses_rules_and_counters_from_the_kernel(world: World)
     assert status.crew_end is not None
     assert status.crew_end.addresses == (f"{world.a.address}/30",)
     assert status.crew_end.default_gateway == world.a.gateway
-    assert [rule.role for rule in status.rules] == ["allow", "log", "drop"]
+    assert [rule.role for rule in status.rules] == [
+        "allow",
+        "to-pool",
+        "net-deny",
+        "net-allow",
+        "log",
+        "drop",
+    ]
     assert {c.role for c in report.counters} == {
         "unmapped_drops",
         "forward_from_crews",

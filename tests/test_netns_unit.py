@@ -213,10 +213,10 @@ def test_rule_comments_fingerprint_the_rule() -> None:
     plan = plan_for(parse_pool("100.127.0.0/16"), "apx", "alpha", 0)
     one = [rule.comment for rule in layout().crew_rules(plan)]
     two = [rule.comment for rule in layout(proxy_ports=(9119, 9120)).crew_rules(plan)]
-    assert [c.split()[0] for c in one] == ["allow", "drop"]
-    assert one[0] != two[0] and one[1] == two[1]  # a port change is seen by reconciliation
+    assert [c.split()[0] for c in one] == ["allow", "to-pool", "net-deny", "net-allow", "drop"]
+    assert one[0] != two[0] and one[1:] == two[1:]  # a port change is seen by reconciliation
     logged = [rule.role for rule in layout(log_drops=True).crew_rules(plan)]
-    assert logged == ["allow", "log", "drop"]
+    assert logged == ["allow", "to-pool", "net-deny", "net-allow", "log", "drop"]
 
 
 def test_the_pool_is_refused_to_everything_but_the_crews() -> None:
@@ -273,8 +273,9 @@ def test_the_pools_that_tables_claim_are_read_back() -> None:
 
 def test_removal_is_idempotent_by_construction() -> None:
     commands = layout().remove_crew("apx0123456789ab")
-    verbs = [next(iter(c)) for c in commands[-5:]]
-    assert verbs == ["add", "add", "delete", "flush", "delete"]
+    verbs = [next(iter(c)) for c in commands[-9:]]
+    # The chain and its map element, then the crew's two sets (after the rules using them).
+    assert verbs == ["add", "add", "delete", "flush", "delete", "add", "delete", "add", "delete"]
 
 
 def _listing(lay: Layout, extra: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
@@ -414,7 +415,8 @@ def test_a_state_file_from_before_instance_ids_is_read(tmp_path: Path) -> None:
     try:
         state = store.load("100.127.0.0/16")
         assert state.naming is None and state.owner is None and len(state.crews) == 1
+        assert state.crews[0].net == ()  # no address rules before version 3
         store.save(state)
-        assert json.loads((tmp_path / "netns-state.json").read_text())["version"] == 2
+        assert json.loads((tmp_path / "netns-state.json").read_text())["version"] == 3
     finally:
         store.close()

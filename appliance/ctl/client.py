@@ -105,6 +105,10 @@ class AdminClient:
         target = f"/v1/crews/{_segment(name)}/allow"
         return self.call("POST", target, messages.AllowHost(host=host), messages.AllowResult)
 
+    def set_net(self, name: str, net: tuple[str, ...]) -> messages.NetResult:
+        target = f"/v1/crews/{_segment(name)}/net"
+        return self.call("POST", target, messages.SetNet(net=net), messages.NetResult)
+
     def run(
         self,
         name: str,

@@ -81,6 +81,15 @@ def rule_lines(rules: tuple[messages.CrewRule, ...]) -> list[str]:
     return [f"{'rules:' if i == 0 else '':<10}{rule_spec(rule)}" for i, rule in enumerate(rules)]
 
 
+NET_SYNTAX = "allow|deny:tcp|udp:CIDR:PORT|LOW-HIGH|*"
+
+
+def net_lines(net: tuple[str, ...]) -> list[str]:
+    if not net:
+        return ["net:      - (nothing past the proxy)"]
+    return [f"{'net:' if i == 0 else '':<10}{rule}" for i, rule in enumerate(net)]
+
+
 def line(crew: messages.CrewInfo, wide: bool) -> list[str]:
     cells = [
         crew.name,
@@ -114,6 +123,7 @@ def details(crew: messages.CrewInfo) -> str:
         f"allow:    {', '.join(crew.allow) or '-'}",
         f"reach:    {', '.join(crew.ssrf_allow) or '-'} (ssrf_allow)",
         *rule_lines(crew.rules),
+        *net_lines(crew.net),
         f"runtime:  {crew.runtime}",
         f"memory:   {crew.memory_bytes // (1 << 20)} MiB",
         f"cpus:     {crew.cpus}",
@@ -149,6 +159,7 @@ def cmd_create(args: argparse.Namespace, out: Output) -> int:
         cpus=args.cpus,
         ssrf_allow=hosts(args.ssrf_allow),
         rules=tuple(args.rule),
+        net=tuple(args.net),
     )
     crew = context.client(args).create_crew(request)
     human = f"crew {crew.name} created\n" + details(crew)
@@ -185,6 +196,14 @@ def cmd_allow(args: argparse.Namespace, out: Output) -> int:
     state = "added" if result.changed else "already allowed"
     human = f"{args.host}: {state} for crew {args.name}"
     out.emit({"ok": True, **output.builtins(result)}, human, [result.host])
+    return exits.OK
+
+
+def cmd_net(args: argparse.Namespace, out: Output) -> int:
+    result = context.client(args).set_net(args.name, tuple(args.net))
+    state = "replaced" if result.changed else "unchanged"
+    human = f"address rules of crew {args.name} {state}\n" + "\n".join(net_lines(result.net))
+    out.emit({"ok": True, **output.builtins(result)}, human, list(result.net))
     return exits.OK
 
 
@@ -230,6 +249,15 @@ def add_parsers(commands: Any, leaf: Any, watchable: Any) -> None:
         "'api.github.com read-only /repos/acme/**' (repeatable: a request to a host with rules "
         "must match one; they narrow --allow, never widen it; docs/cli.md)",
     )
+    create.add_argument(
+        "--net",
+        action="append",
+        default=[],
+        metavar=NET_SYNTAX,
+        help="an address rule past the proxy, enforced by the kernel and the proxy, e.g. "
+        "allow:tcp:10.9.0.0/24:5432, allow:udp:10.9.0.53/32:53, deny:tcp:10.9.0.66/32:* "
+        "(repeatable; deny wins; UDP leaves only where an allow rule names it; docs/netns.md)",
+    )
     create.set_defaults(func=cmd_create)
     watchable(leaf(crews.add_parser("ls", help="list crews"))).set_defaults(func=cmd_ls)
     show = leaf(crews.add_parser("show", help="one crew in detail"))
@@ -239,6 +267,17 @@ def add_parsers(commands: Any, leaf: Any, watchable: Any) -> None:
     allow.add_argument("name")
     allow.add_argument("host")
     allow.set_defaults(func=cmd_allow)
+    net = leaf(crews.add_parser("net", help="replace a crew's address rules, at run time (--net)"))
+    net.add_argument("name")
+    net.add_argument(
+        "--net",
+        action="append",
+        default=[],
+        metavar=NET_SYNTAX,
+        help="an address rule, as for crew create (repeatable; every rule the crew is to have: "
+        "none clears them)",
+    )
+    net.set_defaults(func=cmd_net)
     rm = leaf(crews.add_parser("rm", help="remove a crew (containers, network, proxy)"))
     rm.add_argument("name")
     rm.set_defaults(func=cmd_rm)

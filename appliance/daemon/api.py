@@ -17,6 +17,7 @@ bodies are the Structs of messages.py; appliance/ctl/client.py has one method pe
     GET    /v1/crews/{name}            CrewInfo
     DELETE /v1/crews/{name}            Removed
     POST   /v1/crews/{name}/allow      AllowHost -> AllowResult
+    POST   /v1/crews/{name}/net        SetNet -> NetResult
     POST   /v1/crews/{name}/run        RunCommand, `Upgrade: appliance-run/1` -> 101, then
                                        frames both ways (framing.py): output, stdin, signals,
                                        resize, the exit status
@@ -194,6 +195,12 @@ class Handlers:
         allow = decode(request.body, messages.AllowHost)
         changed = await self.daemon.crews.allow(name, allow.host)
         return _Reply(200, messages.AllowResult(crew=name, host=allow.host, changed=changed))
+
+    async def set_net(self, request: Request) -> _Reply:
+        name = request.params["name"]
+        body = decode(request.body, messages.SetNet)
+        net, changed = await self.daemon.crews.set_net(name, body.net)
+        return _Reply(200, messages.NetResult(crew=name, net=net, changed=changed))
 
     async def run(self, request: Request) -> None:
         from .run_session import serve_run
@@ -380,6 +387,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/v1/crews/{name}", Handlers.crew),
     ("DELETE", "/v1/crews/{name}", Handlers.remove_crew),
     ("POST", "/v1/crews/{name}/allow", Handlers.allow),
+    ("POST", "/v1/crews/{name}/net", Handlers.set_net),
     ("POST", "/v1/crews/{name}/run", Handlers.run),
     ("GET", "/v1/approvals", Handlers.approvals),
     ("POST", "/v1/approvals/{name}/allow", Handlers.approve),

@@ -53,6 +53,7 @@ serializes the operations that change crews, so two `create`s of one name cannot
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import os
 import re
@@ -66,7 +67,7 @@ from typing import Any
 import msgspec
 import trio
 
-from appliance.journal.entries import CrewFailed, CrewRemoved
+from appliance.journal.entries import CrewFailed, CrewNetChanged, CrewRemoved
 from appliance.journal.recorder import JournalRecorder, crew_created
 from appliance.runtime.base import (
     ContainerRole,
@@ -84,6 +85,7 @@ from netns.manager import NetworkReport
 from proxycore.config import RuleConfig, allowlist_sources, host_rule
 from proxycore.errors import PolicyDenied
 from proxycore.protocol.l7 import MAX_RULES, RuleError
+from proxycore.protocol.netrules import MAX_NET_RULES, parse_net_rule
 from proxycore.protocol.policy import Allowlist, NetworkMode, normalize_host, parse_mode
 from proxycore.protocol.ssrf import AddressGuard
 
@@ -281,6 +283,7 @@ class CrewManager:
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"argument ssrf_allow: {exc}") from None
         rules = self._rules(request.rules)
+        net = self._net(request.net)
         crews = self.config.crews
         runtime = request.runtime or crews.default_runtime
         available = await self.runtimes()
@@ -315,6 +318,7 @@ class CrewManager:
             updated=now,
             ssrf_allow=tuple(dict.fromkeys(request.ssrf_allow)),
             rules=rules,
+            net=net,
         )
 
     @staticmethod
@@ -335,6 +339,26 @@ class CrewManager:
                 raise InvalidRequest(f"argument rule[{index}]: {exc}") from None
             rules.append(msgspec.structs.replace(config, host=checked.host))
         return tuple(rules)
+
+    def _net(self, requested: tuple[str, ...]) -> tuple[str, ...]:
+        """The request's address rules in their one spelling, each once: checked by the
+        proxy's parser, and against the crews' pool, which no allow rule may reach into (a
+        crew would reach another crew, or speak as it to the proxy)."""
+        if len(requested) > MAX_NET_RULES:
+            raise InvalidRequest(f"argument net: over {MAX_NET_RULES} rules")
+        specs: dict[str, None] = {}
+        pool = ipaddress.IPv4Network(self.config.net.pool)
+        for index, text in enumerate(requested):
+            try:
+                rule = parse_net_rule(text)
+            except ValueError as exc:
+                raise InvalidRequest(f"argument net[{index}]: {exc}") from None
+            if rule.action == "allow" and rule.network.overlaps(pool):
+                raise InvalidRequest(
+                    f"argument net[{index}]: {text!r} reaches into the crews' pool {pool}"
+                )
+            specs[rule.spec] = None
+        return tuple(specs)
 
     # -- create / remove --------------------------------------------------------------------
 
@@ -397,6 +421,13 @@ class CrewManager:
             pod = Pod(crew=key, infra_id=slot.infra_id, infra_pid=slot.infra_pid, runtime="")
             gateway = slot.gateway
             steps.undo.append(("start agent", remove_containers))
+            if row.net:
+                # The slot's network was made without rules: they are the crew's, from now on.
+                # Undone with the slot (destroyed on a rollback: `create`).
+                async def address_rules() -> None:
+                    await trio.to_thread.run_sync(self.networks.set_net_rules, key, row.net)
+
+                await steps.run("address rules", address_rules)
         else:
 
             async def create_infra() -> Pod:
@@ -408,7 +439,7 @@ class CrewManager:
 
             async def attach() -> str:
                 network = await trio.to_thread.run_sync(
-                    self.networks.attach, key, netns_of_pid(pod.infra_pid)
+                    self.networks.attach, key, netns_of_pid(pod.infra_pid), row.net
                 )
                 self.store.update(name, gateway=network.gateway)
                 return network.gateway
@@ -444,6 +475,7 @@ class CrewManager:
             allow=row.allow,
             ssrf_allow=row.ssrf_allow,
             rules=row.rules,
+            net=row.net,
         )
 
         async def add_to_proxy() -> None:
@@ -536,6 +568,28 @@ class CrewManager:
             await self.journal.allowlist_changed(name, normalized, changed)
             return changed
 
+    async def set_net(self, name: str, net: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+        """Replace a crew's address rules: the row (the intent: a crash after it is repaired at
+        the next start), the kernel's sets (one batch), the proxy, the journal. Returns the
+        rules as applied and whether they changed."""
+        async with self.lock:
+            row = self._row(name)
+            normalized = self._net(net)
+            if row.phase is not CrewPhase.READY:
+                raise CrewBusy(f"crew {name!r} is {row.phase.value}, not ready")
+            if normalized == row.net:
+                return normalized, False
+            self.store.update(name, net=normalized)
+            try:
+                await trio.to_thread.run_sync(self.networks.set_net_rules, row.key, normalized)
+            except NetnsError as exc:
+                # The kernel kept the former rules (one atomic batch): so does everything else.
+                self.store.update(name, net=row.net)
+                raise DaemonError(f"crew {name!r}: address rules not applied: {exc}") from None
+            await self.proxy.set_net(name, normalized)
+            await self.journal.record(CrewNetChanged(crew=name, net=normalized))
+            return normalized, True
+
     def _forget_ca(self, name: str) -> None:
         if self.tls is not None:
             self.tls.forget(name)
@@ -571,6 +625,7 @@ class CrewManager:
             allow=row.allow,
             ssrf_allow=row.ssrf_allow,
             rules=tuple(messages.CrewRule(**msgspec.structs.asdict(rule)) for rule in row.rules),
+            net=row.net,
             runtime=row.runtime,
             memory_bytes=row.memory_bytes,
             cpus=row.cpus,
@@ -713,6 +768,15 @@ class CrewManager:
             and record is not None
             and record.phase.value == "ready"
         )
+        if healthy and self.networks.net_rules(row.key) != row.net:
+            # The row is the intent: a crash between the row and the network's state file (or
+            # a state file of an older version, which has no rules) is repaired here; failing
+            # that, the crew is re-created below.
+            try:
+                await trio.to_thread.run_sync(self.networks.set_net_rules, row.key, row.net)
+            except NetnsError as exc:
+                log.warning("crew %s: address rules not applied: %s", name, exc)
+                healthy = False
         if healthy:
             plan = self.networks.plan(row.key)
             assert plan is not None
@@ -724,6 +788,7 @@ class CrewManager:
                     allow=row.allow,
                     ssrf_allow=row.ssrf_allow,
                     rules=row.rules,
+                    net=row.net,
                 )
             )
             return []

@@ -11,6 +11,10 @@ command or the setting that fixes it.
     nftables        the nft command, libnftables (netns/ drives it through ctypes), a listing
     netns, veth, overlayfs, seccomp, cgroups     the kernel features crews are made of
     address pool    the configured pool collides with nothing on this host
+    forwarding      what a crew's address allow rules need for traffic past the proxy: the
+                    host forwards, and an iptables FORWARD policy of DROP (Docker's) lets the
+                    crews' interfaces through DOCKER-USER (optional: crews without such rules
+                    need neither; docs/netns.md "Address rules")
     proxy identity  the workers' uid is theirs alone
 
 The checks read the host as it is now and change nothing that outlives them (the veth probe
@@ -296,6 +300,57 @@ def _nftables(config: ApplianceConfig) -> list[Check]:
     ]
 
 
+def _forwarding(config: ApplianceConfig) -> Check:
+    prefix = config.net.ifname_prefix
+    name = "forwarding"
+    try:
+        with open("/proc/sys/net/ipv4/conf/all/forwarding") as file:
+            forwarding = file.read().strip() == "1"
+    except OSError:
+        forwarding = False
+    if not forwarding:
+        return Check(
+            name,
+            False,
+            False,
+            "the host does not forward IPv4: a crew's address allow rules reach nothing past "
+            "the host (its proxy traffic is unaffected)",
+            "sysctl -w net.ipv4.ip_forward=1 (the appliance's table still drops everything a "
+            "crew may not send; only its allow rules are forwarded)",
+        )
+    if shutil.which("iptables") is None:
+        return Check(name, True, False, "the host forwards IPv4; no iptables to check")
+
+    def rules(chain: str) -> list[str]:
+        try:
+            done = subprocess.run(
+                ["iptables", "-w", "-S", chain], capture_output=True, text=True, timeout=20
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return done.stdout.splitlines()
+
+    if "-P FORWARD DROP" not in rules("FORWARD"):
+        return Check(name, True, False, "the host forwards IPv4; iptables FORWARD accepts")
+    user = rules("DOCKER-USER")
+    out = any(f"-i {prefix}+" in line and "-j ACCEPT" in line for line in user)
+    back = any(
+        f"-o {prefix}+" in line and "ESTABLISHED" in line and "-j ACCEPT" in line for line in user
+    )
+    if out and back:
+        return Check(name, True, False, f"forwarding on; DOCKER-USER lets {prefix}+ through")
+    return Check(
+        name,
+        False,
+        False,
+        "the iptables FORWARD policy is DROP (Docker's): a crew's address allow rules reach "
+        "nothing past the host",
+        f"iptables -I DOCKER-USER -i {prefix}+ -j ACCEPT; iptables -I DOCKER-USER -o {prefix}+ "
+        "-m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT (the appliance's table has "
+        "already judged those packets: these widen nothing it refuses)",
+    )
+
+
 def _pool(config: ApplianceConfig) -> Check:
     from netns.addressing import parse_pool, pool_conflicts
     from netns.kernel import HostNetwork
@@ -403,6 +458,7 @@ def run_checks(config: ApplianceConfig) -> Report:
     checks += _nftables(config)
     checks += _kernel()
     checks.append(_pool(config))
+    checks.append(_forwarding(config))
     checks.append(_proxy_identity(config))
     ok = all(check.ok for check in checks if check.required)
     return Report(ok=ok, checks=tuple(checks))

@@ -38,10 +38,19 @@ class CreateCrew(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssrf_allow: tuple[str, ...] = ()
     # Method and path rules for some of its hosts (they narrow what `allow` opens, never widen).
     rules: tuple[CrewRule, ...] = ()
+    # Address rules, "allow:tcp:10.9.0.0/24:5432" (docs/netns.md "Address rules"): enforced by
+    # the kernel for the crew's own packets and by the proxy after resolution; deny wins.
+    net: tuple[str, ...] = ()
 
 
 class AllowHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str
+
+
+class SetNet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A crew's address rules, all of them (none: no rule)."""
+
+    net: tuple[str, ...] = ()
 
 
 class RunCommand(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -87,6 +96,7 @@ class CrewInfo(msgspec.Struct, frozen=True):
     effective_allow: tuple[AllowEntry, ...] = ()
     ssrf_allow: tuple[str, ...] = ()
     rules: tuple[CrewRule, ...] = ()  # as the proxy holds them (hosts normalized)
+    net: tuple[str, ...] = ()  # address rules, in their one spelling
 
 
 class CrewList(msgspec.Struct, frozen=True):
@@ -147,6 +157,12 @@ class ApprovalResult(msgspec.Struct, frozen=True):
     until: float | None = None  # allowed_once, denied: when it ends
     changed: bool = True  # allowed: whether the running allowlist changed
     was_pending: bool = False
+
+
+class NetResult(msgspec.Struct, frozen=True):
+    crew: str
+    net: tuple[str, ...]  # as applied: each rule in its one spelling
+    changed: bool
 
 
 class Removed(msgspec.Struct, frozen=True):
@@ -421,6 +437,7 @@ class NetCrew(msgspec.Struct, frozen=True):
     accepted_bytes: int
     dropped_packets: int
     dropped_bytes: int
+    net: tuple[str, ...] = ()  # its address rules (netns CrewStatus.net)
 
 
 class NetReport(msgspec.Struct, frozen=True):

@@ -94,6 +94,7 @@ class CrewEntry(msgspec.Struct, frozen=True):
     allow: tuple[str, ...]
     ssrf_allow: tuple[str, ...] = ()
     rules: tuple[RuleConfig, ...] = ()
+    net: tuple[str, ...] = ()
 
 
 class _Worker:
@@ -567,6 +568,17 @@ class ProxyPool:
         if not reply.ok:
             raise Unavailable(f"the proxy refused crew {name}'s approvals: {reply.error}")
 
+    async def set_net(self, name: str, net: tuple[str, ...]) -> bool:
+        """A crew's address rules replaced in every worker (and for workers started later)."""
+        async with self.lock:
+            entry = self.crews.get(name)
+            if entry is not None:
+                self.crews[name] = msgspec.structs.replace(entry, net=net)
+            reply = await self._broadcast(control.CrewNet(crew=name, net=net))
+        if not reply.ok:
+            raise Unavailable(f"the proxy refused the rules for crew {name!r}: {reply.error}")
+        return reply.changed
+
     async def set_audit_paused(self, paused: bool) -> None:
         """Refuse (or serve again) every crew's traffic while the journal cannot record it."""
         async with self.lock:
@@ -648,6 +660,7 @@ def _crew_add(entry: CrewEntry) -> control.CrewAdd:
         listener=True,
         ssrf_allow=entry.ssrf_allow,
         rules=entry.rules,
+        net=entry.net,
     )
 
 

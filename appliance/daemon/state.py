@@ -26,7 +26,8 @@ objects carry it. Version 4 brought it; a state from before (version 1-3) record
 migration, the crews it had (`meta.legacy_crews`): their containers carry no instance label and
 are adopted by the ids in their rows (`adoptable`), their volumes keep their former names.
 
-Version 5 added each crew's method and path rules (`rules`; an older state's crews get none).
+Version 5 added each crew's method and path rules (`rules`; an older state's crews get none),
+version 6 its address rules (`net`; an older state's crews get none).
 The schema is versioned (`meta.schema_version`); an unknown newer version is refused, never
 guessed at. Every write is one transaction (`with self.db:`); WAL lets readers (`crew ls`) run
 beside a writer. Calls take well under a millisecond, so the trio daemon makes them inline.
@@ -47,7 +48,7 @@ from proxycore.config import RuleConfig
 
 from .errors import DaemonError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DB_FILE = "applianced.db"
 
 _SCHEMA = """
@@ -68,7 +69,8 @@ CREATE TABLE IF NOT EXISTS crews (
     error TEXT,
     slot TEXT,                    -- the pool slot it took: its infra and network are keyed by it
     ssrf_allow TEXT NOT NULL DEFAULT '[]', -- JSON array of CIDRs only this crew may reach
-    rules TEXT NOT NULL DEFAULT '[]'       -- JSON array of the proxy's RuleConfig objects
+    rules TEXT NOT NULL DEFAULT '[]',      -- JSON array of the proxy's RuleConfig objects
+    net TEXT NOT NULL DEFAULT '[]'         -- JSON array of address rules ("allow:tcp:...")
 );
 -- Run-time approvals (approvals.py) in force: hosts a crew may reach until `until` ("once"),
 -- and hosts the operator denied until then ("denied"). Additive: created at any start where it
@@ -97,6 +99,8 @@ _MIGRATE_1_TO_2 = "ALTER TABLE crews ADD COLUMN slot TEXT"
 _MIGRATE_2_TO_3 = "ALTER TABLE crews ADD COLUMN ssrf_allow TEXT NOT NULL DEFAULT '[]'"
 # Version 4 had no method and path rules: none, as before (every method and path).
 _MIGRATE_4_TO_5 = "ALTER TABLE crews ADD COLUMN rules TEXT NOT NULL DEFAULT '[]'"
+# Version 5 had no address rules: none, as before (nothing past the proxy).
+_MIGRATE_5_TO_6 = "ALTER TABLE crews ADD COLUMN net TEXT NOT NULL DEFAULT '[]'"
 
 
 class CrewPhase(enum.StrEnum):
@@ -126,6 +130,9 @@ class CrewRow(msgspec.Struct, frozen=True):
     # Method and path rules, validated and with their hosts normalized (crews.py), as the proxy
     # workers are sent them.
     rules: tuple[RuleConfig, ...] = ()
+    # Address rules in their one spelling (proxycore/protocol/netrules.py), as the kernel and
+    # the proxy are given them.
+    net: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -170,7 +177,7 @@ class StateStore:
                     "INSERT INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
-            elif int(row["value"]) in (1, 2, 3, 4):
+            elif int(row["value"]) in (1, 2, 3, 4, 5):
                 version = int(row["value"])
                 if version == 1:
                     self.db.execute(_MIGRATE_1_TO_2)
@@ -183,7 +190,9 @@ class StateStore:
                         "INSERT INTO meta(key, value) VALUES ('legacy_crews', ?)",
                         (json.dumps(legacy),),
                     )
-                self.db.execute(_MIGRATE_4_TO_5)
+                if version <= 4:
+                    self.db.execute(_MIGRATE_4_TO_5)
+                self.db.execute(_MIGRATE_5_TO_6)
                 self.db.execute(
                     "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
                 )
@@ -259,6 +268,7 @@ class StateStore:
             slot=row["slot"],
             ssrf_allow=tuple(json.loads(row["ssrf_allow"])),
             rules=msgspec.json.decode(row["rules"], type=tuple[RuleConfig, ...]),
+            net=tuple(json.loads(row["net"])),
         )
 
     def crews(self) -> list[CrewRow]:
@@ -273,8 +283,8 @@ class StateStore:
         """Record the intent to create a crew. sqlite3.IntegrityError if the name is taken."""
         self.db.execute(
             "INSERT INTO crews(name, mode, allow, runtime, memory_bytes, cpus, phase, infra_id,"
-            " agent_id, gateway, created, updated, error, slot, ssrf_allow, rules)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " agent_id, gateway, created, updated, error, slot, ssrf_allow, rules, net)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 crew.name,
                 crew.mode,
@@ -292,6 +302,7 @@ class StateStore:
                 crew.slot,
                 json.dumps(list(crew.ssrf_allow)),
                 msgspec.json.encode(crew.rules).decode(),
+                json.dumps(list(crew.net)),
             ),
         )
 
@@ -343,7 +354,7 @@ class StateStore:
     def pool_delete(self, slot: str) -> None:
         self.db.execute("DELETE FROM pool WHERE slot=?", (slot,))
 
-    _UPDATABLE = frozenset({"phase", "infra_id", "agent_id", "gateway", "error", "allow"})
+    _UPDATABLE = frozenset({"phase", "infra_id", "agent_id", "gateway", "error", "allow", "net"})
 
     def update(self, name: str, **fields: object) -> None:
         unknown = set(fields) - self._UPDATABLE
@@ -353,7 +364,7 @@ class StateStore:
         for key, value in fields.items():
             if isinstance(value, enum.Enum):
                 value = value.value
-            elif key == "allow":
+            elif key in ("allow", "net"):
                 value = json.dumps(list(value))  # type: ignore[call-overload]
             values.append(value)
         # The column names come from _UPDATABLE (checked above), never from a caller's data.

@@ -410,9 +410,23 @@ class CrewCreated(Entry, frozen=True, tag="crew.created"):
     mode: str
     allow: tuple[str, ...]
     runtime: str
+    # Its address rules, "allow:tcp:10.9.0.0/24:5432" (docs/netns.md "Address rules"); absent
+    # from the entries of an older applianced, which read as none.
+    net: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        return f"crew created ({self.mode}, {self.runtime}, allow {', '.join(self.allow) or '-'})"
+        net = f", net {', '.join(self.net)}" if self.net else ""
+        allow = ", ".join(self.allow) or "-"
+        return f"crew created ({self.mode}, {self.runtime}, allow {allow}{net})"
+
+
+class CrewNetChanged(Entry, frozen=True, tag="crew.net_changed"):
+    """A crew's address rules replaced at run time (`crew net`): the whole new list."""
+
+    net: tuple[str, ...]
+
+    def summary(self) -> str:
+        return f"address rules: {', '.join(self.net) or 'none'}"
 
 
 class CrewRemoved(Entry, frozen=True, tag="crew.removed"):
@@ -490,6 +504,7 @@ AnyEntry = (
     | CredentialChanged
     | CredentialPushFailed
     | CrewCreated
+    | CrewNetChanged
     | CrewRemoved
     | CrewFailed
     | Checkpoint
@@ -520,6 +535,7 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         CredentialChanged,
         CredentialPushFailed,
         CrewCreated,
+        CrewNetChanged,
         CrewRemoved,
         CrewFailed,
         Checkpoint,

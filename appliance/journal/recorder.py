@@ -187,10 +187,14 @@ class _CrewLike(Protocol):
     def allow(self) -> tuple[str, ...]: ...
     @property
     def runtime(self) -> str: ...
+    @property
+    def net(self) -> tuple[str, ...]: ...
 
 
 def crew_created(row: _CrewLike) -> E.CrewCreated:
-    return E.CrewCreated(crew=row.name, mode=row.mode, allow=row.allow, runtime=row.runtime)
+    return E.CrewCreated(
+        crew=row.name, mode=row.mode, allow=row.allow, runtime=row.runtime, net=row.net
+    )
 
 
 class JournalRecorder:

@@ -44,6 +44,7 @@ import trio
 from proxycore.errors import PolicyDenied, UpstreamError
 from proxycore.io.dns import Resolver
 from proxycore.io.fastio import ByteStream, PlainStream, TlsStream
+from proxycore.protocol.netrules import NetRules
 from proxycore.protocol.ssrf import AddressGuard
 
 PoolKey = tuple[str, bool, str, int]  # crew, tls, host, port
@@ -54,6 +55,16 @@ class Overloaded(UpstreamError):
     """A crew's share (or the process's descriptors) is used up: 503, try again later."""
 
     status_hint = 503
+
+
+@dataclass(frozen=True, slots=True)
+class CrewReach:
+    """What one crew may reach beyond the appliance-wide checks: the ranges it alone may reach
+    past the SSRF guard (`CrewConfig.ssrf_allow`) and its address rules (`CrewConfig.net`,
+    proxycore/protocol/netrules.py: a deny rule refuses whatever else allows the address)."""
+
+    ranges: AddressGuard | None = None
+    net: NetRules = field(default_factory=NetRules)
 
 
 @dataclass(slots=True, eq=False)
@@ -193,13 +204,31 @@ class Dialer:
 
     # -- checking ---------------------------------------------------------------------------
 
-    def check(self, host: str, addresses: Iterable[str], crew_guard: AddressGuard | None) -> None:
+    def check(
+        self, host: str, addresses: Iterable[str], crew_guard: CrewReach | None, port: int = 0
+    ) -> None:
         """Raise PolicyDenied naming the first refused address (see the module docstring)."""
+        ranges = crew_guard.ranges if crew_guard is not None else None
+        net = crew_guard.net if crew_guard is not None else None
         for address in addresses:
+            # The crew's address rules first: a deny rule refuses whatever else would allow
+            # the address; an allow rule opens it as the kernel does for the crew's packets.
+            rule = net.verdict(address, port) if net else None
+            if rule is not None and rule.action == "deny":
+                raise PolicyDenied(
+                    f"{host} resolves to {address}:{port}, which the crew's rule {rule.spec} "
+                    "refuses",
+                    host=host,
+                    rule="net_deny",
+                )
+            if rule is not None:
+                # The crews' pool stays closed: no allow rule may name it (the kernel drops it
+                # whatever the rules say), or a crew could speak as another to the proxy.
+                if self._is_appliance(address):
+                    raise _refused(host, address, "appliance")
+                continue
             # Only a range the crew names opens what the appliance keeps for itself.
-            named = (
-                crew_guard is not None and crew_guard.check(address).reason == "operator_allowed"
-            )
+            named = ranges is not None and ranges.check(address).reason == "operator_allowed"
             if not named:
                 verdict = self.guard.check(address)
                 if not verdict.allowed:
@@ -220,10 +249,10 @@ class Dialer:
         host: str,
         port: int,
         limiter: trio.CapacityLimiter,
-        crew_guard: AddressGuard | None,
+        crew_guard: CrewReach | None,
     ) -> list[str]:
         addresses = await self.resolver.resolve(host, port, limiter)
-        self.check(host, addresses, crew_guard)
+        self.check(host, addresses, crew_guard, port)
         return addresses
 
     # -- the pool -----------------------------------------------------------------------------
@@ -300,6 +329,17 @@ class Dialer:
                     del upstreams.idle[key]
         return reaped
 
+    def close_idle(self, crew: str) -> None:
+        """Close a crew's idle connections, keeping its count of those in use (its rules
+        changed: a pooled connection was checked under the former ones)."""
+        upstreams = self.crews.get(crew)
+        if upstreams is not None:
+            for idle in upstreams.idle.values():
+                for connection in idle:
+                    connection.close()
+            upstreams.idle.clear()
+            upstreams.idle_count = 0
+
     def forget_crew(self, crew: str) -> None:
         """Close a removed crew's idle connections (those in use close when their task ends)."""
         upstreams = self.crews.pop(crew, None)
@@ -320,7 +360,7 @@ class Dialer:
         self,
         crew: str,
         limiter: trio.CapacityLimiter,
-        crew_guard: AddressGuard | None,
+        crew_guard: CrewReach | None,
         tls: bool,
         host: str,
         port: int,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from proxycore.errors import PolicyDenied
 from proxycore.protocol.l7 import L7Rules
+from proxycore.protocol.netrules import NetRules
 
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
@@ -47,6 +48,7 @@ __all__ = [
     "RULE_MALFORMED_HOST",
     "RULE_MODE_FREE",
     "RULE_MODE_NONE",
+    "RULE_NET_ALLOW",
     "RULE_NOT_IN_ALLOWLIST",
     "Allowlist",
     "CrewPolicy",
@@ -127,6 +129,8 @@ RULE_MODE_NONE = "mode_none"
 RULE_NOT_IN_ALLOWLIST = "not_in_allowlist"
 RULE_MALFORMED_HOST = "malformed_host"
 RULE_IP_SHORTHAND = "ip_shorthand"
+# An IP literal covered by one of the crew's TCP allow rules (proxycore.protocol.netrules).
+RULE_NET_ALLOW = "net_allow"
 
 # RFC 1035 §2.3.4: 63 octets per label, 255 per name on the wire, which is 253 characters in
 # dotted text without the trailing dot.
@@ -480,6 +484,10 @@ class CrewPolicy:
     # Method and path rules for some hosts (proxycore.protocol.l7): they only narrow what the
     # name policy allows, on the routes where the proxy reads the requests.
     rules: L7Rules = field(default_factory=L7Rules)
+    # Address rules (proxycore.protocol.netrules): in restricted mode, an IP literal that a TCP
+    # allow rule covers passes without being allowlisted (the kernel lets the crew reach it
+    # directly anyway); deny rules are applied to every resolved address by the dialer.
+    net: NetRules = field(default_factory=NetRules)
     decisions: dict[tuple[str, int], EgressDecision] = field(default_factory=dict)
     grants: dict[str, float] = field(default_factory=dict)
     denied: dict[str, float] = field(default_factory=dict)
@@ -493,7 +501,13 @@ class CrewPolicy:
         if decision is None:
             if len(self.decisions) >= MEMO_SIZE:
                 self.decisions.clear()
-            decision = self.decisions[key] = decide_egress(self.mode, self.allowlist, host, port)
+            decision = decide_egress(self.mode, self.allowlist, host, port)
+            if decision.rule == RULE_NOT_IN_ALLOWLIST and self.net.allow:
+                literal = is_ip_literal(decision.host)
+                rule = self.net.verdict(decision.host, port) if literal else None
+                if rule is not None and rule.action == "allow":
+                    decision = EgressDecision(True, decision.host, port, RULE_NET_ALLOW, self.mode)
+            self.decisions[key] = decision
         if self.grants and decision.rule == RULE_NOT_IN_ALLOWLIST:
             until = self.grants.get(decision.host)
             if until is not None and self.clock() < until:
