@@ -124,6 +124,11 @@ def chain_name(ifname: str) -> str:
     return f"crew_{ifname}"
 
 
+def capture_chain_name(ifname: str) -> str:
+    """The crew's transparent-capture chain (netns/nft.py)."""
+    return f"capture_{ifname}"
+
+
 def parse_pool(pool: str) -> ipaddress.IPv4Network:
     network = ipaddress.ip_network(pool, strict=True)
     assert isinstance(network, ipaddress.IPv4Network)

@@ -29,7 +29,13 @@ DEFAULT_POOL = "100.127.0.0/16"
 # is judged by the address it was sent to, before any DNAT rule of Docker or another tool could
 # rewrite it). -150 is the "mangle" priority; see nft(8), "CHAINS", standard priority names.
 DEFAULT_PRIORITY = -150
-PRIORITY_RANGE = (-199, -101)
+# One below it: the capture chain (destination NAT of a crew's captured ports to the proxy)
+# runs at `priority - 1`, still after conntrack, so that the filter chain judges the captured
+# connection by its new destination, the proxy.
+PRIORITY_RANGE = (-198, -101)
+# TCP ports whose connections from a crew to anywhere go to the proxy (transparent capture,
+# docs/netns.md "Transparent capture"): HTTP and HTTPS.
+DEFAULT_CAPTURE_PORTS = (80, 443)
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
@@ -54,6 +60,9 @@ class NetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inner_ifname: str = "eth0"
     # Priority of the prerouting and forward base chains.
     priority: int = DEFAULT_PRIORITY
+    # A crew's TCP to these ports, anywhere but its own allow rules and the pool, is redirected
+    # to the proxy on its gateway (the first of `proxy_ports`); () turns capture off.
+    capture_ports: tuple[Port, ...] = DEFAULT_CAPTURE_PORTS
     # Log dropped packets to the kernel log with a prefix naming the crew, rate limited.
     log_drops: bool = False
     log_rate_per_minute: Annotated[int, msgspec.Meta(ge=1, le=600)] = 6
@@ -78,6 +87,10 @@ def validate_config(config: NetConfig) -> NetConfig:
         raise fail("proxy_ports", "needs at least one port")
     if len(set(config.proxy_ports)) != len(config.proxy_ports):
         raise fail("proxy_ports", "duplicate port")
+    if len(set(config.capture_ports)) != len(config.capture_ports):
+        raise fail("capture_ports", "duplicate port")
+    if set(config.capture_ports) & set(config.proxy_ports):
+        raise fail("capture_ports", "a proxy port cannot be captured (it is the proxy's own)")
     if not _TABLE.fullmatch(config.table):
         raise fail("table", "must be 1-32 letters, digits or '_', not starting with a digit")
     if not _PREFIX.fullmatch(config.ifname_prefix):
@@ -88,6 +101,7 @@ def validate_config(config: NetConfig) -> NetConfig:
     if not low <= config.priority <= high:
         raise fail(
             "priority",
-            f"must be in [{low}, {high}]: after conntrack (-200), before destination NAT (-100)",
+            f"must be in [{low}, {high}]: after conntrack (-200) and the capture chain (one "
+            "below it), before destination NAT (-100)",
         )
     return config

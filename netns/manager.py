@@ -72,6 +72,7 @@ import msgspec
 from .addressing import (
     CrewPlan,
     Naming,
+    capture_chain_name,
     check_crew_id,
     check_instance_id,
     first_free_index,
@@ -101,6 +102,8 @@ from .kernel import (
 )
 from .netrules import ACTIONS, NetRule, elements, parse_rules
 from .nft import (
+    CAPTURE_CHAIN_PREFIX,
+    CAPTURE_MAP,
     CREW_CHAIN_PREFIX,
     MAP,
     SET_PREFIXES,
@@ -275,6 +278,7 @@ class CrewNetworks:
                 pool=str(self.pool),
                 log_drops=config.log_drops,
                 log_rate_per_minute=config.log_rate_per_minute,
+                capture_ports=tuple(config.capture_ports),
                 claim=f"instance={instance} owner={self.owner}" if instance else "",
             )
             # A backend made here is closed here; one passed in belongs to the caller.
@@ -775,8 +779,11 @@ class CrewNetworks:
             return [Change("created table", f"inet {self.naming.table} with {len(plans)} crews")]
         differences = base_differences(self.layout, table)
         elements = table.maps.get(MAP, ("", "", {}))[2]
+        captures = table.maps.get(CAPTURE_MAP, ("", "", {}))[2]
         wrong_targets = [
             key for key, target in elements.items() if target != f"jump {CREW_CHAIN_PREFIX}{key}"
+        ] + [
+            key for key, target in captures.items() if target != f"jump {CAPTURE_CHAIN_PREFIX}{key}"
         ]
         if differences or wrong_targets:
             self._nft.run(self.layout.rebuild(plans, rules))
@@ -792,8 +799,13 @@ class CrewNetworks:
             if name.startswith(CREW_CHAIN_PREFIX)
         }
         present |= {name.split("_", 1)[1] for name in table.sets if name.startswith(SET_PREFIXES)}
-        remove = sorted((present | set(elements)) - set(wanted))
-        install = [plan for plan in plans if self._crew_differs(table, plan, elements)]
+        present |= {
+            name[len(CAPTURE_CHAIN_PREFIX) :]
+            for name in table.chains
+            if name.startswith(CAPTURE_CHAIN_PREFIX)
+        }
+        remove = sorted((present | set(elements) | set(captures)) - set(wanted))
+        install = [plan for plan in plans if self._crew_differs(table, plan, elements, captures)]
         refill = [
             plan
             for plan in plans
@@ -831,12 +843,24 @@ class CrewNetworks:
                 return record.crew
         return None
 
-    def _crew_differs(self, table: TableState, plan: CrewPlan, elements: dict[str, str]) -> bool:
+    def _crew_differs(
+        self,
+        table: TableState,
+        plan: CrewPlan,
+        elements: dict[str, str],
+        captures: dict[str, str],
+    ) -> bool:
         chain = table.chains.get(plan.chain)
-        if chain is None or plan.ifname not in elements:
+        capture = table.chains.get(capture_chain_name(plan.ifname))
+        if chain is None or capture is None:
+            return True
+        if plan.ifname not in elements or plan.ifname not in captures:
             return True
         want = [rule.comment for rule in self.layout.crew_rules(plan)]
-        return [rule.comment for rule in chain.rules] != want
+        if [rule.comment for rule in chain.rules] != want:
+            return True
+        wanted_capture = [rule.comment for rule in self.layout.capture_rules(plan)]
+        return [rule.comment for rule in capture.rules] != wanted_capture
 
     # --- inspection ----------------------------------------------------------------------------
 

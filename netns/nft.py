@@ -115,7 +115,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .addressing import CrewPlan, chain_name
+from .addressing import CrewPlan, capture_chain_name, chain_name
 from .errors import NftError
 from .netrules import ACTIONS, Box, NetRule, elements
 
@@ -127,6 +127,11 @@ PREROUTING = "prerouting"
 FORWARD = "forward"
 POSTROUTING = "postrouting"
 CREW_CHAIN_PREFIX = "crew_"
+# Transparent capture: a nat base chain dispatching, through its own map, to one chain per crew
+# that redirects the crew's captured ports to the proxy on its gateway.
+CAPTURE = "capture"
+CAPTURE_MAP = "crew_capture"
+CAPTURE_CHAIN_PREFIX = "capture_"
 # A crew's address rules: two interval sets per crew, "allow_<ifname>" and "deny_<ifname>".
 SET_PREFIXES = tuple(f"{action}_" for action in ACTIONS)
 SET_TYPE = ("ipv4_addr", "inet_proto", "inet_service")
@@ -137,8 +142,8 @@ FOREIGN_ROLE = "foreign"
 LOCAL_ROLE = "foreign-local"
 # Bumped when the layout changes, so that reconciliation rebuilds tables of an older layout
 # (2: the pool refused to everything but the crews' own interfaces; 3: address rules, their
-# sets, the forward dispatch and the masquerade).
-LAYOUT_VERSION = 3
+# sets, the forward dispatch and the masquerade; 4: transparent capture).
+LAYOUT_VERSION = 4
 
 
 class NftBackend(Protocol):
@@ -368,6 +373,8 @@ class Layout:
     pool: str
     log_drops: bool = False
     log_rate_per_minute: int = 6
+    # TCP ports captured to the proxy (NetConfig.capture_ports); () for none.
+    capture_ports: tuple[int, ...] = ()
     # Written into the dispatch rule's comment ("instance=<id> owner=<token>"): whose table
     # this is, read back by `table_claim` (nftables 1.0.6 neither writes nor reads a table's
     # own comment through JSON, rule comments it does).
@@ -465,6 +472,11 @@ class Layout:
                     (_match(_meta("oifname"), wildcard), {"counter": COUNTERS[2]}, {"drop": None}),
                 ),
             ),
+            CAPTURE: (
+                RuleSpec(
+                    "capture", ({"vmap": {"key": _meta("iifname"), "data": "@" + CAPTURE_MAP}},)
+                ),
+            ),
             # The pool is not routable beyond this host: what a crew sends out, forwarded, leaves
             # with the host's address. Matched by source (postrouting knows no input interface);
             # only crews' packets that their chain accepted are forwarded from the pool.
@@ -489,6 +501,13 @@ class Layout:
         }
 
     def base_chain_spec(self, name: str) -> Json:
+        if name == CAPTURE:
+            # Destination NAT one step before the filter chain: the crew's chain then judges
+            # a captured connection by where it now goes, the proxy on its gateway, and the
+            # proxy reads where it was going from conntrack (SO_ORIGINAL_DST).
+            return self._obj(
+                name=name, type="nat", hook="prerouting", prio=self.priority - 1, policy="accept"
+            )
         if name == POSTROUTING:
             # srcnat (nft(8)): after the filter chains, where the source NAT hooks belong.
             return self._obj(name=name, type="nat", hook="postrouting", prio=100, policy="accept")
@@ -500,6 +519,7 @@ class Layout:
         commands: list[Json] = [
             {"add": {"table": {"family": FAMILY, "name": self.table}}},
             {"add": {"map": self._obj(name=MAP, type="ifname", map="verdict")}},
+            {"add": {"map": self._obj(name=CAPTURE_MAP, type="ifname", map="verdict")}},
         ]
         commands += [{"add": {"counter": self._obj(name=name)}} for name in COUNTERS]
         for chain, rules in self.base_rules().items():
@@ -561,6 +581,8 @@ class Layout:
                 plan.crew,
             ),
         ]
+        if self.capture_ports:
+            rules.append(self._captured(plan))
         if self.log_drops:
             rules.append(
                 RuleSpec(
@@ -579,6 +601,90 @@ class Layout:
             )
         rules.append(RuleSpec("drop", ({"counter": None}, {"drop": None}), plan.crew))
         return tuple(rules)
+
+    def _captured(self, plan: CrewPlan) -> RuleSpec:
+        """The filter's side of capture: a crew's TCP to a captured port is let on to the
+        destination NAT (the capture chain, which the kernel runs inside its NAT hook at -100,
+        after this chain), which sends it to the proxy. Only before routing: the output
+        interface is known in the forward hook and nowhere before it, so `oif 0` holds in
+        prerouting only, and a packet the NAT did not redirect (its capture chain gone) meets
+        this chain again in forward and is dropped there, never forwarded (fail closed)."""
+        ports: object = (
+            self.capture_ports[0]
+            if len(self.capture_ports) == 1
+            else {"set": list(self.capture_ports)}
+        )
+        return RuleSpec(
+            "captured",
+            (
+                _match(_meta("oif"), 0),
+                _match(_payload("ip", "saddr"), plan.address),
+                _match(_payload("tcp", "dport"), ports),
+                _in(_ct("state"), ["new", "established"]),
+                {"counter": None},
+                {"accept": None},
+            ),
+            plan.crew,
+        )
+
+    def capture_rules(self, plan: CrewPlan) -> tuple[RuleSpec, ...]:
+        """The crew's capture chain: its own allow rules first (what they name is reached
+        directly, not through the proxy), then its deny rules (left to the filter chain, which
+        drops them: deny wins in the kernel too), then the captured ports to anywhere but the
+        pool, redirected to the proxy on the crew's gateway. Nothing captured without ports."""
+        if not self.capture_ports:
+            return ()
+        lookup = {"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}
+        ports: object = (
+            self.capture_ports[0]
+            if len(self.capture_ports) == 1
+            else {"set": list(self.capture_ports)}
+        )
+        return (
+            RuleSpec(
+                "capture-direct",
+                (_match(lookup, "@" + set_name("allow", plan.ifname)), {"return": None}),
+                plan.crew,
+            ),
+            RuleSpec(
+                "capture-denied",
+                (_match(lookup, "@" + set_name("deny", plan.ifname)), {"return": None}),
+                plan.crew,
+            ),
+            RuleSpec(
+                "capture",
+                (
+                    _match(_payload("ip", "saddr"), plan.address),
+                    {"match": {"op": "!=", "left": _payload("ip", "daddr"), "right": self._pool()}},
+                    _match(_payload("tcp", "dport"), ports),
+                    {"counter": None},
+                    {"dnat": {"family": "ip", "addr": plan.gateway, "port": self.proxy_ports[0]}},
+                ),
+                plan.crew,
+            ),
+        )
+
+    def _pool(self) -> Json:
+        network = ipaddress.IPv4Network(self.pool)
+        return {"prefix": {"addr": str(network.network_address), "len": network.prefixlen}}
+
+    def _capture_objects(self, plan: CrewPlan) -> list[Json]:
+        chain = capture_chain_name(plan.ifname)
+        commands: list[Json] = [
+            {"add": {"chain": self._obj(name=chain)}},
+            {"flush": {"chain": self._obj(name=chain)}},
+        ]
+        commands += [self._rule(chain, rule) for rule in self.capture_rules(plan)]
+        commands.append(
+            {
+                "add": {
+                    "element": self._obj(
+                        name=CAPTURE_MAP, elem=[[plan.ifname, {"jump": {"target": chain}}]]
+                    )
+                }
+            }
+        )
+        return commands
 
     def _set_objects(self, ifname: str, rules: Sequence[NetRule]) -> list[Json]:
         """The crew's two sets, created if missing and given exactly the rules' elements."""
@@ -619,7 +725,8 @@ class Layout:
                 }
             }
         )
-        return commands
+        # After the sets its rules look up.
+        return commands + self._capture_objects(plan)
 
     def install_crew(self, plan: CrewPlan, rules: Sequence[NetRule] = ()) -> list[Json]:
         """The crew's sets, chain and map element, with the prelude: one atomic batch."""
@@ -637,6 +744,20 @@ class Layout:
             {"delete": {"element": self._obj(name=MAP, elem=[ifname])}},
             {"flush": {"chain": self._obj(name=chain)}},
             {"delete": {"chain": self._obj(name=chain)}},
+        ]
+        capture = capture_chain_name(ifname)
+        commands += [
+            {"add": {"chain": self._obj(name=capture)}},
+            {
+                "add": {
+                    "element": self._obj(
+                        name=CAPTURE_MAP, elem=[[ifname, {"jump": {"target": capture}}]]
+                    )
+                }
+            },
+            {"delete": {"element": self._obj(name=CAPTURE_MAP, elem=[ifname])}},
+            {"flush": {"chain": self._obj(name=capture)}},
+            {"delete": {"chain": self._obj(name=capture)}},
         ]
         for action in ACTIONS:
             name = set_name(action, ifname)
@@ -691,7 +812,11 @@ class Layout:
         """Remove crews' chains and map elements from another table of this appliance (one
         that other crews still use: the state of an appliance from before instance ids)."""
         other = Layout(table, self.priority, self.ifname_prefix, self.proxy_ports, self.pool)
-        commands: list[Json] = []
+        # A table from before transparent capture has no capture map: the removal below adds
+        # and deletes an element in it, so it is made first (empty, it captures nothing).
+        commands: list[Json] = [
+            {"add": {"map": other._obj(name=CAPTURE_MAP, type="ifname", map="verdict")}}
+        ]
         for ifname in ifnames:
             commands += other._remove_objects(ifname)
         return commands
@@ -847,15 +972,18 @@ def base_differences(layout: Layout, table: TableState) -> list[str]:
         if comments != [spec.comment for spec in specs]:
             found.append(f"chain {name} has rules {comments}")
     for name in table.chains:
-        if name not in layout.base_rules() and not name.startswith(CREW_CHAIN_PREFIX):
+        if name not in layout.base_rules() and not name.startswith(
+            (CREW_CHAIN_PREFIX, CAPTURE_CHAIN_PREFIX)
+        ):
             found.append(f"unknown chain {name}")
-    mapping = table.maps.get(MAP)
-    if mapping is None:
-        found.append(f"map {MAP} missing")
-    elif mapping[:2] != ("ifname", "verdict"):
-        found.append(f"map {MAP} has type {mapping[:2]}")
+    for map_name in (MAP, CAPTURE_MAP):
+        mapping = table.maps.get(map_name)
+        if mapping is None:
+            found.append(f"map {map_name} missing")
+        elif mapping[:2] != ("ifname", "verdict"):
+            found.append(f"map {map_name} has type {mapping[:2]}")
     for name in table.maps:
-        if name != MAP:
+        if name not in (MAP, CAPTURE_MAP):
             found.append(f"unknown map {name}")
     for name in table.counters:
         if name not in COUNTERS:

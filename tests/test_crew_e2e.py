@@ -425,14 +425,18 @@ def test_denied_host_gets_the_proxys_readable_refusal(world: World, runtime: str
 
 
 def test_no_way_around_the_proxy(world: World, runtime: str) -> None:
-    """Direct connections (curl --noproxy '*'): to the fake provider's own address (which the
-    host would forward to, see the module docstring), to another port there, and to a listener
-    on every host address through the gateway on a port other than the proxy's. Each must fail,
-    the targets see nothing, and the crew's nft drop counter moves."""
+    """Direct connections (curl --noproxy '*'): to the fake provider's own address on 443 and 80
+    (captured: the kernel sends them to the proxy, which refuses them, a TLS alert for the
+    first since it names no host, a 403 for the second since an address is not on the
+    allowlist), and to a listener on every host address through the gateway on a port neither
+    the proxy's nor captured (dropped). The targets see nothing, the proxy journals the two
+    refusals, and the crew's nft drop counter moves for the third."""
     app = world.app
+    crew = world.crews[runtime]
     gateway = world.gateways[runtime]
     listener = HostListener()
     before_drops = _crew_drops(app)
+    before_denied = _denied_rules(app, crew)
     try:
         targets = [
             f"https://{world.upstream.address}/",
@@ -440,23 +444,56 @@ def test_no_way_around_the_proxy(world: World, runtime: str) -> None:
             f"http://{gateway}:{listener.port}/",
         ]
         script = "".join(
-            f"curl --noproxy '*' -sS --connect-timeout 3 -o /dev/null {t}; echo rc=$?; "
+            f"curl --noproxy '*' -fsS --connect-timeout 3 -o /dev/null {t}; echo rc=$?; "
             for t in targets
         )
         done = world.run(runtime, "sh", "-c", script)
         codes = [line for line in done.stdout.splitlines() if line.startswith("rc=")]
-        # 28: connect timed out (the packets are dropped, nothing answers, not even an RST).
-        assert codes == ["rc=28"] * len(targets), done
+        # 35: the TLS handshake failed (the proxy's access_denied alert); 22: an HTTP error
+        # (the proxy's 403); 28: connect timed out (dropped, nothing answers, not even an RST).
+        assert codes == ["rc=35", "rc=22", "rc=28"], done
         assert listener.hits == 0
         # The proxy's connections come from the host end of the test's veth; a crew's would come
         # from its own address (nothing is NATed).
         assert set(world.fake.peers) <= {world.upstream.host_address}, world.fake.peers
-        assert _crew_drops(app) >= before_drops + len(targets), "nft did not count the drops"
+        assert _crew_drops(app) >= before_drops + 1, "nft did not count the drop"
+        rules: list[str] = []
+        for _ in range(50):  # the proxy's batches reach the journal a moment later
+            rules = sorted(_denied_rules(app, crew)[len(before_denied) :])
+            if len(rules) >= 2:
+                break
+            time.sleep(0.1)
+        assert rules == ["captured_unreadable", "not_in_allowlist"], rules
     finally:
         listener.close()
     # The same address is reachable from the host, so the test above could have failed.
     with socket.create_connection((world.upstream.address, 443), timeout=5):
         pass
+
+
+def test_a_tool_that_ignores_the_proxy_is_captured_and_injected(world: World, runtime: str) -> None:
+    """curl with no proxy at all (--noproxy '*'), told the provider's address as a tool with its
+    own resolver would be: the kernel captures its connection to port 443, the proxy reads the
+    server name from its ClientHello, terminates it with the crew's leaf (the crew trusts its
+    CA) and sends the request on with the appliance's key, as through HTTPS_PROXY."""
+    crew = world.crews[runtime]
+    world.fake.clear()
+    before = len(_journal(world.app, crew, "tunnel.opened"))
+    done = world.run(
+        runtime,
+        "sh",
+        "-c",
+        f"curl --noproxy '*' -fsS --max-time 30 --resolve {PROVIDER_HOST}:443:"
+        f"{world.upstream.address} -H 'x-api-key: {AGENT_DUMMY_KEY}' "
+        f"https://{PROVIDER_HOST}/v1/echo",
+    )
+    assert done.returncode == 0, (done, world.fake.log(), world.app.log_text()[-3000:])
+    (echoed,) = [r for r in world.fake.requests if r.route == "/v1/echo"]
+    _assert_injected(echoed, crew)
+    assert REAL_KEYS["anthropic"] not in done.stdout
+    assert set(world.fake.peers) <= {world.upstream.host_address}, world.fake.peers
+    opened = _journal(world.app, crew, "tunnel.opened", before + 1)[before:]
+    assert [(entry["host"], entry["port"]) for entry in opened] == [(PROVIDER_HOST, 443)], opened
 
 
 # --- 2. the real Claude Code CLI -----------------------------------------------------------------
@@ -504,6 +541,16 @@ def test_claude_code_completes_through_the_proxy(world: World, runtime: str) -> 
 # bundle's path (curl, Python, OpenSSL), NODE_EXTRA_CA_CERTS (Claude Code).
 
 PROVIDER_URL = f"https://{PROVIDER_HOST}:443"
+
+
+def _denied_rules(app: Appliance, crew: str) -> list[str]:
+    """The rule of every request the proxy denied the crew, oldest first (`proxy.deny` entries
+    batch them: docs/journal.md)."""
+    return [
+        str(request[5])
+        for entry in _journal(app, crew, "proxy.deny")
+        for request in entry["requests"]
+    ]
 
 
 def _journal(app: Appliance, crew: str, kind: str, wanted: int = 0) -> list[dict[str, Any]]:

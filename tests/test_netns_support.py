@@ -372,6 +372,9 @@ class Lab:
             "table": self.table,
             "ifname_prefix": self.prefix,
             "proxy_ports": (self.port,),
+            # Off unless a test turns it on (tests/test_netns_capture.py): the probes of the
+            # other tests expect a crew's TCP to ports 80 and 443 to be dropped, not redirected.
+            "capture_ports": (),
         }
         values.update(overrides)
         return NetConfig(**values)  # type: ignore[arg-type]

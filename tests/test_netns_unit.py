@@ -283,6 +283,7 @@ def _listing(lay: Layout, extra: list[dict[str, object]] | None = None) -> list[
     items: list[dict[str, object]] = [
         {"table": {"family": "inet", "name": lay.table}},
         {"map": {"family": "inet", "name": "crew_ingress", "type": "ifname", "map": "verdict"}},
+        {"map": {"family": "inet", "name": "crew_capture", "type": "ifname", "map": "verdict"}},
     ]
     items += [{"counter": {"name": n, "packets": 0, "bytes": 0}} for n in ("unmapped_drops",)]
     for chain, rules in lay.base_rules().items():
