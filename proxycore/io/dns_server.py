@@ -117,7 +117,9 @@ class DnsServer:
         while True:
             await trio.lowlevel.wait_readable(sock)
             # Drain what is queued before waiting again: one wakeup, many datagrams. Yield to
-            # the other tasks now and then so that resolutions and TCP are not starved.
+            # the other tasks now and then so that resolutions and TCP are not starved. One
+            # clock reading per batch: a batch takes about a millisecond, TTLs are seconds.
+            now = trio.current_time()
             for _ in range(256):
                 try:
                     data, peer = recvfrom(_DATAGRAM)
@@ -127,7 +129,7 @@ class DnsServer:
                     # An ICMP error from an earlier send surfaces on the next receive (Linux):
                     # it is about that peer, not this socket.
                     continue
-                decision = responder.handle(data, trio.current_time())
+                decision = responder.handle(data, now)
                 if decision.journal is not None:
                     self._record(decision.journal)
                 if decision.verdict is Verdict.ANSWER:

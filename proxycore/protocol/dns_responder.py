@@ -66,6 +66,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import dns.exception
 import dns.flags
@@ -153,7 +154,7 @@ class DnsLimits:
     # by us.
     ttl: int = 60
     fail_ttl: int = 5
-    cache_entries: int = 1024
+    cache_entries: int = 4096
     synthetic_entries: int = 4096
 
 
@@ -203,8 +204,9 @@ class Answer:
     journal: DnsRefusal | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
+    # A NamedTuple rather than a frozen dataclass: one is made per query, and a tuple is made
+    # several times faster, which shows on the cache-hit path (the server's throughput).
     verdict: Verdict
     wire: bytes = b""
     resolution: Resolution | None = None
@@ -313,7 +315,7 @@ class SyntheticPool:
 class _Entry:
     """A cached answer: rcode and records (each without its TTL), valid until `expiry`."""
 
-    __slots__ = ("ancount", "expiry", "journal", "rcode", "records", "tail", "tail_ttl")
+    __slots__ = ("ancount", "expiry", "headers", "journal", "rcode", "records", "tail", "tail_ttl")
 
     def __init__(
         self,
@@ -329,6 +331,13 @@ class _Entry:
         self.journal = journal
         self.tail = b""
         self.tail_ttl = -1
+        # The header after the ID, by (query's RD bit | query had EDNS << 1): flags (QR, RD
+        # echoed, RA, rcode) and the counts (one question, the answers, an OPT if asked).
+        self.headers = tuple(
+            bytes((0x80 | (index & 1), 0x80 | rcode))
+            + struct.pack(">HHHH", 1, self.ancount, 0, index >> 1)
+            for index in range(4)
+        )
 
     def tail_for(self, ttl: int) -> bytes:
         # Rebuilt at most once a second per entry: the TTL counts down to the entry's expiry,
@@ -405,9 +414,51 @@ class DnsResponder:
 
     def handle(self, wire: bytes, now: float) -> Decision:
         """Decide one query (UDP payload or TCP message without its length). Never raises."""
-        if not self._queries.take(now):
+        bucket = self._queries
+        if bucket.stamp is not None and now > bucket.stamp:
+            bucket.tokens = min(bucket.burst, bucket.tokens + (now - bucket.stamp) * bucket.rate)
+            bucket.stamp = now
+        elif bucket.stamp is None:
+            bucket.stamp = now
+        if bucket.tokens < 1.0:
             return self._rate_limited(now)
+        bucket.tokens -= 1.0
         try:
+            # The fast path, inline (it is the server's throughput): the common query shape,
+            # whose question is in the cache. Anything else goes to `_handle`.
+            size = len(wire)
+            if (
+                12 < size <= MAX_QUERY
+                and wire[2] & 0xFA == 0
+                and wire[4:11] == b"\x00\x01\x00\x00\x00\x00\x00"
+                and wire[11] <= 1
+                and len(self.policy.allowlist) == self._allowlist_size
+            ):
+                end = _walk_question(wire, 12)
+                if end > 0:
+                    qend = end + 4
+                    edns = wire[11]
+                    if (not edns and qend == size) or (
+                        edns
+                        and size >= qend + 11
+                        and wire[qend : qend + 3] == b"\x00\x00\x29"
+                        and wire[qend + 6] == 0
+                        and qend + 11 + (wire[qend + 9] << 8 | wire[qend + 10]) == size
+                    ):
+                        key = wire[12:end].lower() + wire[end:qend]
+                        entry = self._cache.get(key)
+                        if entry is not None and entry.expiry > now:
+                            self._cache.move_to_end(key)
+                            out = b"".join(
+                                (
+                                    wire[0:2],
+                                    entry.headers[(wire[2] & 0x01) | edns << 1],
+                                    wire[12:qend],
+                                    entry.tail_for(int(entry.expiry - now) if entry.ancount else 0),
+                                    _OPT_RECORD if edns else b"",
+                                )
+                            )
+                            return Decision(Verdict.ANSWER, out, None, entry.journal)
             return self._handle(wire, now)
         except Exception as exc:  # a bug here must cost one query, never the server
             return Decision(
@@ -491,54 +542,18 @@ class DnsResponder:
             # No header to answer, a message too long to be a query, or a response (answering
             # responses is how two servers get to bounce packets off each other forever).
             return _DROP
-        if len(self._cache) and len(self.policy.allowlist) != self._allowlist_size:
+        if len(self.policy.allowlist) != self._allowlist_size:
+            # The allowlist only grows: a cached refusal may be wrong now, an answer is not,
+            # but telling them apart is not worth it.
             self._cache.clear()
-        self._allowlist_size = len(self.policy.allowlist)
-        # The fast path: the common query shape, its question found in the cache. Anything
-        # unusual goes to the slow path, which parses it whole with dnspython.
-        if (
-            wire[2] & 0xFA == 0
-            and wire[4:10] == b"\x00\x01\x00\x00\x00\x00"
-            and wire[10] == 0
-            and wire[11] <= 1
-        ):
-            end = _walk_question(wire, 12)
-            if end > 0:
-                qend = end + 4
-                edns = wire[11] == 1
-                if (not edns and qend == size) or (
-                    edns
-                    and size >= qend + 11
-                    and wire[qend : qend + 3] == b"\x00\x00\x29"
-                    and wire[qend + 6] == 0
-                    and qend + 11 + (wire[qend + 9] << 8 | wire[qend + 10]) == size
-                ):
-                    key = wire[12:end].lower() + wire[end:qend]
-                    entry = self._cache.get(key)
-                    if entry is not None:
-                        if entry.expiry > now:
-                            return self._from_cache(wire, qend, entry, edns, now)
-                        del self._cache[key]
+            self._allowlist_size = len(self.policy.allowlist)
+        end = _walk_question(wire, 12)
+        if end > 0 and end + 4 <= size:
+            key = wire[12:end].lower() + wire[end : end + 4]
+            entry = self._cache.get(key)
+            if entry is not None and entry.expiry <= now:
+                del self._cache[key]
         return self._slow(wire, now)
-
-    def _from_cache(
-        self, wire: bytes, qend: int, entry: _Entry, edns: bool, now: float
-    ) -> Decision:
-        ttl = int(entry.expiry - now) if entry.ancount else 0
-        out = (
-            wire[0:2]
-            + bytes((0x80 | (wire[2] & 0x01), 0x80 | entry.rcode))
-            + b"\x00\x01"
-            + struct.pack(">HHH", entry.ancount, 0, 1 if edns else 0)
-            + wire[12:qend]
-            + entry.tail_for(ttl)
-        )
-        if edns:
-            out += _OPT_RECORD
-        journal = entry.journal
-        if journal is not None:
-            return Decision(Verdict.ANSWER, out, journal=journal)
-        return Decision(Verdict.ANSWER, out)
 
     def _slow(self, wire: bytes, now: float) -> Decision:
         query_id = wire[0] << 8 | wire[1]
