@@ -1,6 +1,6 @@
 """Queries per second on one core: the crew DNS responder against dnsmasq and unbound.
 
-    flock /tmp/bench.lock python bench/bench_dns.py [--duration 10] [--json-out FILE]
+    flock /tmp/bench.lock python bench/bench_dns.py [--duration 5] [--rounds 3] [--json-out FILE]
 
 Each server in turn is pinned to core 0 (`taskset -c 0`) and answers the same 1,000 names
 (hostN.bench.example, one A record each) on 127.0.0.1 over UDP; dnsperf, pinned to core 1,
@@ -17,12 +17,14 @@ sends as fast as they answer (4 sockets, 200 queries outstanding) for `--duratio
 Two query mixes: "hits" (A for the 1,000 names, in order; after the first pass every server
 answers from its cache or its local data) and "mixed" (A 50 %, AAAA 20 %, names no server knows
 20 %, HTTPS 10 %: what a crew's resolver library sends, refusals included). Each server gets a
-warm-up pass of 2 s before its measured run.
+warm-up pass of 2 s before its measured runs. The servers take turns, `--rounds` times, and the
+median of each is reported (the machine is shared; the load average is recorded per run).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from bench.common import (
     Workspace,
     describe_machine,
     free_port,
+    median,
     pinned,
     show,
     table,
@@ -196,35 +199,49 @@ def dnsperf(port: int, data: Path, duration: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per run")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--servers", default="ours,dnsmasq,unbound")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "NAMES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(int(args.serve[0]), Path(args.serve[1]))
         return
     json_out = args.json_out or RESULTS_DIR / f"dns-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    results: dict[str, dict[str, Any]] = {}
+    servers = args.servers.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     with Workspace(prefix="bench-dns-") as ws:
         paths = write_inputs(ws)
-        for name in args.servers.split(","):
-            proc, port = start(ws, name, paths)
-            try:
-                dnsperf(port, paths["hits"], 2)  # warm-up: fills every cache
-                results[name] = {
-                    "hits": dnsperf(port, paths["hits"], args.duration),
-                    "mixed": dnsperf(port, paths["mixed"], args.duration),
-                }
-            finally:
-                ws.stop(proc)
-    rows = [
-        [name, r["hits"]["qps"], r["hits"]["lost"], r["mixed"]["qps"], r["mixed"]["lost"]]
-        for name, r in results.items()
-    ]
+        # Rounds interleave the servers, so that a change in the machine's background load
+        # falls on all of them rather than on whichever ran at that moment.
+        for _ in range(args.rounds):
+            for name in servers:
+                proc, port = start(ws, name, paths)
+                try:
+                    dnsperf(port, paths["hits"], 2)  # warm-up: fills every cache
+                    runs[name].append(
+                        {
+                            "hits": dnsperf(port, paths["hits"], args.duration),
+                            "mixed": dnsperf(port, paths["mixed"], args.duration),
+                            "loadavg": os.getloadavg()[0],
+                        }
+                    )
+                finally:
+                    ws.stop(proc)
+    rows = []
+    for name, results in runs.items():
+        hits = median([r["hits"]["qps"] for r in results])
+        mixed = median([r["mixed"]["qps"] for r in results])
+        every = "/".join(f"{r['hits']['qps']}" for r in results)
+        rows.append([name, round(hits), round(mixed), every])
     print()
-    print(table(["server (core 0)", "hits q/s", "lost", "mixed q/s", "lost"], rows))
-    write_json(json_out, {"machine": describe_machine(Path.cwd()), "results": results})
+    print(
+        table(
+            ["server (core 0)", "hits q/s (median)", "mixed q/s (median)", "hits each round"], rows
+        )
+    )
+    write_json(json_out, {"machine": describe_machine(Path.cwd()), "runs": runs})
 
 
 if __name__ == "__main__":

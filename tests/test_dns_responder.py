@@ -381,3 +381,25 @@ def test_a_bug_inside_costs_one_query(monkeypatch):
     decision = r.handle(query("api.example.com"), 1.0)
     assert decision.verdict is Verdict.DROP and decision.journal is not None
     assert dns.rdatatype.A  # the module stays importable and usable after
+
+
+def test_a_repeated_query_gets_the_same_bytes_but_its_id_and_the_ttl_ticks_down():
+    r = responder()
+    resolve(r, "api.example.com", ["93.184.216.34"], now=100.0)
+    first = r.handle(query("api.example.com", qid=1), 100.2)
+    second = r.handle(query("api.example.com", qid=2), 100.7)  # the hot path
+    assert first.wire[2:] == second.wire[2:] and second.wire[:2] == b"\x00\x02"
+    assert read(second).answer[0].ttl == 59
+    later = read(r.handle(query("api.example.com", qid=3), 101.5))
+    assert later.id == 3 and later.answer[0].ttl == 58
+    # A different spelling is a different query: its own bytes, its own echo.
+    upper = read(r.handle(query("API.example.com", qid=4), 101.5))
+    assert upper.question[0].name.to_text() == "API.example.com."
+
+
+def test_a_repeated_refusal_is_journaled_each_time_and_forgotten_when_the_allowlist_grows():
+    r = responder()
+    decisions = [r.handle(query("new.example.com"), 1.0 + i / 10) for i in range(4)]
+    assert all(rcode(d) == "NXDOMAIN" and d.journal is not None for d in decisions)
+    r.policy.allow("new.example.com")
+    assert r.handle(query("new.example.com"), 1.5).verdict is Verdict.RESOLVE
