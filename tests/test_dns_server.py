@@ -118,6 +118,9 @@ async def test_udp_refusals_and_garbage_do_not_end_the_server(nursery):
     refused = await ask_udp(h.address, query("evil.example.org"))
     assert refused is not None and dns.message.from_wire(refused).rcode() == dns.rcode.NXDOMAIN
     assert await ask_udp(h.address, b"\x00", timeout=0.2) is None
+    # Longer than any query: read truncated, still too long, dropped (never answered as the
+    # query it was cut to).
+    assert await ask_udp(h.address, query("api.example.com") + b"\x00" * 4000, 0.2) is None
     formerr = await ask_udp(h.address, b"\x01\x02\x01\x00\x00\x01" + b"\x00" * 6 + b"\xff\xff")
     assert formerr is not None and dns.message.from_wire(formerr).rcode() == dns.rcode.FORMERR
     txt = await ask_udp(h.address, query("api.example.com", "TXT"))

@@ -52,9 +52,11 @@ Resolve = Callable[[str], Awaitable[Sequence[str]]]
 BeforeAnswer = Callable[[str, Sequence[str], int], Awaitable[None]]
 Journal = Callable[[DnsRefusal], None]
 
-# The largest datagram we read: a query over MAX_QUERY is dropped anyway, but reading less than
-# the datagram would make the kernel truncate it silently and we would answer a different query.
-_DATAGRAM = 65535
+# How much of a datagram we read: one octet more than the longest query we answer, so that a
+# longer datagram, truncated by the kernel to this, is still seen as too long and dropped (never
+# answered as the shorter query it was cut to). Reading 64 KiB instead costs an allocation of
+# that size per datagram.
+_DATAGRAM = MAX_QUERY + 1
 
 
 def proxy_resolve(resolver: Resolver, limiter: trio.CapacityLimiter) -> Resolve:
@@ -111,14 +113,14 @@ class DnsServer:
     # -- UDP -------------------------------------------------------------------------------
 
     async def _serve_udp(self, sock: socket.socket, nursery: trio.Nursery) -> None:
-        responder = self.responder
+        handle = self.responder.handle
         recvfrom = sock.recvfrom
         sendto = sock.sendto
+        answer, resolve = Verdict.ANSWER, Verdict.RESOLVE
         while True:
             await trio.lowlevel.wait_readable(sock)
-            # Drain what is queued before waiting again: one wakeup, many datagrams. Yield to
-            # the other tasks now and then so that resolutions and TCP are not starved. One
-            # clock reading per batch: a batch takes about a millisecond, TTLs are seconds.
+            # Drain what is queued before waiting again: one wakeup, many datagrams. One clock
+            # reading per batch: a batch takes about a millisecond, TTLs are seconds.
             now = trio.current_time()
             for _ in range(256):
                 try:
@@ -129,20 +131,22 @@ class DnsServer:
                     # An ICMP error from an earlier send surfaces on the next receive (Linux):
                     # it is about that peer, not this socket.
                     continue
-                decision = responder.handle(data, now)
-                if decision.journal is not None:
-                    self._record(decision.journal)
-                if decision.verdict is Verdict.ANSWER:
+                verdict, wire, resolution, journal = handle(data, now)
+                if journal is not None:
+                    self._record(journal)
+                if verdict is answer:
                     try:
-                        sendto(decision.wire, peer)
+                        sendto(wire, peer)
                     except OSError:
                         # A full buffer, or an ICMP error queued from an earlier send: that
                         # answer is lost (the client retries), the server goes on.
                         pass
-                elif decision.verdict is Verdict.RESOLVE:
-                    assert decision.resolution is not None
-                    nursery.start_soon(self._resolve_udp, sock, peer, decision.resolution)
-            await trio.lowlevel.checkpoint()
+                elif verdict is resolve:
+                    assert resolution is not None
+                    nursery.start_soon(self._resolve_udp, sock, peer, resolution)
+            else:
+                # 256 datagrams and still more: let resolutions and TCP run before the next.
+                await trio.lowlevel.checkpoint()
 
     async def _resolve_udp(
         self, sock: socket.socket, peer: tuple[str, int], resolution: Resolution
