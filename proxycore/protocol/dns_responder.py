@@ -421,16 +421,24 @@ class DnsResponder:
     def handle(self, wire: bytes, now: float) -> Decision:
         """Decide one query (UDP payload or TCP message without its length). Never raises."""
         bucket = self._queries
-        if bucket.stamp is not None and now > bucket.stamp:
-            bucket.tokens = min(bucket.burst, bucket.tokens + (now - bucket.stamp) * bucket.rate)
+        if now != bucket.stamp:
+            if bucket.stamp is not None and now > bucket.stamp:
+                tokens = bucket.tokens + (now - bucket.stamp) * bucket.rate
+                bucket.tokens = tokens if tokens < bucket.burst else bucket.burst
             bucket.stamp = now
-        elif bucket.stamp is None:
-            bucket.stamp = now
+            # The allowlist only grows (CrewPolicy.allow), so what it makes stale is a cached
+            # refusal, never an answer: checking once per distinct `now` (the server reads the
+            # clock once per batch of datagrams) is soon enough, and keeps a method call off
+            # every query.
+            if len(self.policy.allowlist) != self._allowlist_size:
+                self._cache.clear()
+                self._hot.clear()
+                self._allowlist_size = len(self.policy.allowlist)
         if bucket.tokens < 1.0:
             return self._rate_limited(now)
         bucket.tokens -= 1.0
         hot = self._hot.get(wire[2:])
-        if hot is not None and now <= hot[0] and len(self.policy.allowlist) == self._allowlist_size:
+        if hot is not None and now <= hot[0]:
             return Decision(Verdict.ANSWER, wire[0:2] + hot[1], None, hot[2])
         try:
             # The fast path, inline (it is the server's throughput): the common query shape,
@@ -441,7 +449,6 @@ class DnsResponder:
                 and wire[2] & 0xFA == 0
                 and wire[4:11] == b"\x00\x01\x00\x00\x00\x00\x00"
                 and wire[11] <= 1
-                and len(self.policy.allowlist) == self._allowlist_size
             ):
                 end = _walk_question(wire, 12)
                 if end > 0:
@@ -561,12 +568,6 @@ class DnsResponder:
             # No header to answer, a message too long to be a query, or a response (answering
             # responses is how two servers get to bounce packets off each other forever).
             return _DROP
-        if len(self.policy.allowlist) != self._allowlist_size:
-            # The allowlist only grows: a cached refusal may be wrong now, an answer is not,
-            # but telling them apart is not worth it.
-            self._cache.clear()
-            self._hot.clear()
-            self._allowlist_size = len(self.policy.allowlist)
         end = _walk_question(wire, 12)
         if end > 0 and end + 4 <= size:
             key = wire[12:end].lower() + wire[end : end + 4]
