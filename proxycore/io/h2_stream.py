@@ -25,7 +25,6 @@ from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import PlainStream
 from proxycore.protocol import http1
 from proxycore.protocol.http2 import ErrorCode, response_fields
-from proxycore.protocol.http2.messages import decided_fields
 from proxycore.protocol.trailers import relayable, section
 
 if TYPE_CHECKING:
@@ -262,13 +261,23 @@ class StreamPipe(PlainStream):
             raise trio.BrokenResourceError(self.broken)
         if self._done:
             return
-        fields = decided_fields(decided.start, content_length, closes=not decided.keep_client)
+        session = self._session
+        # The endpoint's state changes at once (no await), as in `_headers`.
+        if not session.server.send_decided_head(
+            self.stream_id,
+            decided.status,
+            decided.start,
+            content_length,
+            closes=not decided.keep_client,
+            end=not body,
+        ):
+            raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
         if not body:
             # No body: END_STREAM on the head (a HEAD, 204 or 304 answer, or an empty one).
-            await self._headers(decided.status, fields, end=True)
+            self._done = True
+            await session.batched()
             return
         # Queued, and written with the DATA (one write for a small answer).
-        await self._headers(decided.status, fields, end=False, flush=False)
         await self._data(body, end=True)
 
     async def _headers(

@@ -712,7 +712,11 @@ class H2Endpoint:
     def _send_head(
         self, stream_id: int, stream: Stream, fields: list[tuple[bytes, bytes]], end: bool
     ) -> None:
-        block = self._encoder.encode(fields)
+        self._send_block(stream_id, stream, self._encoder.encode(fields), end)
+
+    def _send_block(self, stream_id: int, stream: Stream, block: bytes, end: bool) -> None:
+        """A head already encoded (by the stateless encoder: the block depends on the fields
+        alone, so one made earlier for the same fields is the same bytes)."""
         self._out += header_frames(
             stream_id, block, end=end, max_frame_size=self._peer_max_frame_size
         )
