@@ -70,6 +70,7 @@ class StreamPipe(PlainStream):
     __slots__ = (
         "_body",
         "_chunked",
+        "_closed",
         "_closing",
         "_done",
         "_eof",
@@ -95,6 +96,7 @@ class StreamPipe(PlainStream):
         self._chunked = False
         self._eof = False
         self._closing = False
+        self._closed = False
         self._done = False  # the response's END_STREAM went out
         self._out = bytearray()  # a response head not yet complete
         self._reader: http1.BodyReader | None = None
@@ -350,7 +352,9 @@ class StreamPipe(PlainStream):
         """The exchange is over: a response it did not finish is reset (the agent must not
         take a cut body for a whole one); a request body it did not read is stopped
         (RFC 9113 8.1: RST_STREAM NO_ERROR after a complete response)."""
-        self._closing = True
+        if self._closed:
+            return  # the exchange closed it, then the session (one reset, one kick)
+        self._closed = self._closing = True
         server = self._session.server
         if not self._done:
             server.reset(self.stream_id, ErrorCode.CANCEL)
