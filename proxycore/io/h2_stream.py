@@ -280,6 +280,14 @@ class StreamPipe(PlainStream):
             await session.batched()
             return
         # Queued, and written with the DATA (one write for a small answer).
+        if len(body) <= session.server.send_window(self.stream_id):
+            # The whole body in one frame (most small answers): `_data`'s first round, without
+            # its slicing.
+            if session.server.send_data(self.stream_id, body, end=True) < 0:
+                raise trio.BrokenResourceError(self.broken or "stream closed")
+            self._done = True
+            await session.batched()
+            return
         await self._data(body, end=True)
 
     async def _headers(
