@@ -13,6 +13,12 @@ streams). Everything else in the process (the runtime's reaper, the journal writ
 as in production. Valgrind slows the proxy some 50-fold: timeouts do not fire in a run this
 short, but a wall-clock figure from here means nothing.
 
+The target's reference is our HTTP/1.1 path (bench_h2.py measures it with `wrk -t1 -c50`):
+`--http1` also counts exactly `--streams` absolute-form GETs over 50 keep-alive HTTP/1.1
+connections to the same origin (level `h1-50`, a client of this script's own, since wrk cannot
+stop at a count), so that a tree's instructions per stream can be read as a ratio to its
+instructions per HTTP/1.1 request.
+
     python bench/count_h2.py --source /work/tree --levels 50x1,10x10,1x64 --streams 2000
 """
 
@@ -21,6 +27,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import selectors
+import socket
 import subprocess
 import sys
 import time
@@ -83,6 +91,48 @@ def h2load(service: Service, authority: str, level: str, streams: int) -> str:
     return output
 
 
+def http1_requests(service: Service, authority: str, streams: int, clients: int = 50) -> None:
+    """`streams` GETs over `clients` keep-alive connections, each sending its next request when
+    its response is whole (wrk -c50's rhythm). The 1 KiB answers carry a content-length."""
+    request = (
+        f"GET http://{authority}{bench_h2.PATH} HTTP/1.1\r\nHost: {authority}\r\n\r\n"
+    ).encode()
+    selector = selectors.DefaultSelector()
+    buffers: dict[socket.socket, bytearray] = {}
+    sent = done = 0
+    for _ in range(min(clients, streams)):
+        sock = socket.create_connection((service.host, service.port))
+        sock.setblocking(False)
+        sock.sendall(request)
+        sent += 1
+        buffers[sock] = bytearray()
+        selector.register(sock, selectors.EVENT_READ)
+    while done < streams:
+        for key, _ in selector.select(timeout=600):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            data = sock.recv(65536)
+            if not data:
+                raise RuntimeError(f"the proxy closed a connection after {done} responses")
+            buffer = buffers[sock]
+            buffer += data
+            while (end := buffer.find(b"\r\n\r\n")) >= 0:
+                head = bytes(buffer[:end]).lower()
+                if not head.startswith(b"http/1.1 200"):
+                    raise RuntimeError(f"unexpected response: {head[:200]!r}")
+                length = int(re.search(rb"content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+                if len(buffer) < end + 4 + length:
+                    break
+                del buffer[: end + 4 + length]
+                done += 1
+                if sent < streams:
+                    sock.sendall(request)
+                    sent += 1
+    for sock in buffers:
+        selector.unregister(sock)
+        sock.close()
+
+
 def counted(pid: int, out: Path, run: object, keep: Path | None = None) -> int:
     """Instructions the process ran while `run()` did (the dump copied into `keep`)."""
     subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
@@ -111,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", default="50x1,10x10,1x64", help="CxM, comma-separated")
     parser.add_argument("--legs", default="h1,h2c", help="upstream legs: h1, h2c")
     parser.add_argument("--streams", type=int, default=2000, help="streams counted per level")
+    parser.add_argument(
+        "--http1", action="store_true", help="also count HTTP/1.1 requests (50 connections)"
+    )
     parser.add_argument("--keep", type=Path, help="copy each callgrind dump into this directory")
     args = parser.parse_args(argv)
     common.raise_fd_limit()
@@ -118,6 +171,20 @@ def main(argv: list[str] | None = None) -> int:
         origin = bench_h2.start_origin(ws, core=None)
         service, out = start_counted(ws, args.source, origin)
         print(f"# count_h2: source {args.source} ({common.source_revision(args.source)})")
+        if args.http1:
+            authority = bench_h2.authority_for("ours", origin, "h1")
+            http1_requests(service, authority, 200)  # warm-up
+            total = counted(
+                service.pid,
+                out,
+                lambda: http1_requests(service, authority, args.streams),
+                args.keep,
+            )
+            print(
+                f"h1   h1-50  {args.streams} requests: {total:,} instructions, "
+                f"{total // args.streams:,} per request (the HTTP/1.1 reference)",
+                flush=True,
+            )
         for leg in args.legs.split(","):
             authority = bench_h2.authority_for("ours", origin, leg)
             for level in args.levels.split(","):

@@ -22,7 +22,7 @@ from hyperframe.frame import (
 
 from proxycore.errors import Http2ConnectionError
 from proxycore.protocol import http2
-from proxycore.protocol.http2 import ErrorCode, H2Client, H2Limits, H2Server, fields
+from proxycore.protocol.http2 import ErrorCode, H2Client, H2Limits, H2Server, fields, frames
 from proxycore.protocol.http2.hpack_out import StatelessEncoder
 from tests.h2_client import parse_frames
 
@@ -409,3 +409,25 @@ def test_field_checks_keep_no_secret_and_no_long_value() -> None:
     assert fields.well_formed(b"cookie", b"session=secret")
     assert fields.well_formed(b"x-long", b"v" * 129)
     assert not fields._checked
+
+
+@pytest.mark.parametrize("length", [0, 1, 255, 256, 16384, 65535, 65536, 2**24 - 1])
+@pytest.mark.parametrize("stream_id", [1, 255, 2**31 - 1])
+def test_a_frame_header_is_packed_and_read_as_rfc_9113_4_1_lays_it_out(
+    length: int, stream_id: int
+) -> None:
+    """The header packed with one struct call (frames.FRAME_HEADER) is the 24-bit length, type,
+    flags and 31-bit identifier, as hyperframe lays them out; DATA appended header and payload
+    apart is the same bytes as `data_frame`."""
+    payload = bytes(length)
+    data = frames.frame(frames.DATA, frames.END_STREAM, stream_id, payload)
+    expected = DataFrame(stream_id, payload, flags=["END_STREAM"]).serialize()
+    assert data == expected
+    high, low, kind, flags, read_id = frames.FRAME_HEADER.unpack_from(data, 0)
+    assert ((high << 8) | low, kind, flags, read_id) == (length, 0, 1, stream_id)
+    # The reserved bit is ignored on receipt (RFC 9113 4.1).
+    server = started()
+    ping = PingFrame(0, b"12345678").serialize()
+    server.receive_data(ping[:5] + bytes([0x80 | ping[5]]) + ping[6:], NOW)
+    (pong,) = parse_frames(server.data_to_send())
+    assert isinstance(pong, PingFrame) and "ACK" in pong.flags

@@ -5,12 +5,16 @@ order, scrubbed, without what HTTP/2 forbids."""
 
 from __future__ import annotations
 
+import hpack
 import pytest
+from hyperframe.frame import HeadersFrame, SettingsFrame
 
 from native.scrub import Scrubber
 from native.scrub_patterns import DEFAULT_SHAPES
 from proxycore.protocol import http1
 from proxycore.protocol.exchange import plan_request
+from proxycore.protocol.http2 import H2Limits, H2Server, connection
+from proxycore.protocol.http2.connection import PREFACE
 from proxycore.protocol.http2.messages import decided_fields, response_fields
 from proxycore.protocol.plans import Forward
 from proxycore.protocol.policy import NetworkMode
@@ -64,3 +68,46 @@ def test_decided_fields_are_the_fields_read_back_from_the_rendered_head(
     assert decided.status == rendered.status
     assert fields == response_fields(rendered)
     assert KEY.encode() not in b"".join(name + value for name, value in fields)
+
+
+def _two_servers() -> tuple[H2Server, H2Server]:
+    """Two servers that read the same request on stream 1 (the client's preface and head)."""
+    request = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"x"), (b":path", b"/")]
+    block = hpack.Encoder().encode(request)
+    frames = (
+        SettingsFrame(0).serialize()
+        + HeadersFrame(1, block, flags=["END_HEADERS", "END_STREAM"]).serialize()
+    )
+    servers = (H2Server(H2Limits()), H2Server(H2Limits()))
+    for server in servers:
+        server.receive_data(PREFACE + frames, 1000.0)
+        server.data_to_send()
+    return servers
+
+
+@pytest.mark.parametrize("upstream", UPSTREAM_HEADS)
+@pytest.mark.parametrize("keep_alive", [True, False])
+@pytest.mark.parametrize("end", [True, False])
+def test_a_decided_head_is_the_same_frames_as_its_fields_sent_cached_or_not(
+    upstream: bytes, keep_alive: bool, end: bool
+) -> None:
+    """`send_decided_head` (its HPACK block cached per head for the process) writes the bytes
+    `send_headers` writes for `decided_fields`, the first time and from the cache; a head with
+    a cookie or a credential field is never kept."""
+    response = _response(upstream, b"GET")
+    start = b"HTTP/1.1 %d %s" % (response.status, response.reason)
+    start += b"".join(b"\r\n%s: %s" % (name, value) for name, value in response.headers)
+    length = None if end else 3
+    fields = decided_fields(start, length, closes=not keep_alive)
+    for _ in range(2):  # the second time from the cache (when it may be kept)
+        plain, decided = _two_servers()
+        assert plain.send_headers(1, response.status, fields, end=end)
+        assert decided.send_decided_head(
+            1, response.status, start, length, closes=not keep_alive, end=end
+        )
+        assert decided.data_to_send() == plain.data_to_send()
+        assert not decided.send_decided_head(
+            1, response.status, start, length, closes=not keep_alive, end=end
+        )  # a second final head: refused, as send_headers refuses it
+    kept = (response.status, start, length, not keep_alive) in connection._decided_blocks
+    assert kept == (b"set-cookie" not in upstream.lower())

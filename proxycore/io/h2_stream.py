@@ -25,7 +25,6 @@ from proxycore.errors import HttpProtocolError
 from proxycore.io.fastio import PlainStream
 from proxycore.protocol import http1
 from proxycore.protocol.http2 import ErrorCode, response_fields
-from proxycore.protocol.http2.messages import decided_fields
 from proxycore.protocol.trailers import relayable, section
 
 if TYPE_CHECKING:
@@ -71,6 +70,7 @@ class StreamPipe(PlainStream):
     __slots__ = (
         "_body",
         "_chunked",
+        "_closed",
         "_closing",
         "_done",
         "_eof",
@@ -96,6 +96,7 @@ class StreamPipe(PlainStream):
         self._chunked = False
         self._eof = False
         self._closing = False
+        self._closed = False
         self._done = False  # the response's END_STREAM went out
         self._out = bytearray()  # a response head not yet complete
         self._reader: http1.BodyReader | None = None
@@ -262,13 +263,31 @@ class StreamPipe(PlainStream):
             raise trio.BrokenResourceError(self.broken)
         if self._done:
             return
-        fields = decided_fields(decided.start, content_length, closes=not decided.keep_client)
+        session = self._session
+        # The endpoint's state changes at once (no await), as in `_headers`.
+        if not session.server.send_decided_head(
+            self.stream_id,
+            decided.status,
+            decided.start,
+            content_length,
+            closes=not decided.keep_client,
+            end=not body,
+        ):
+            raise trio.BrokenResourceError(self.broken or "stream closed by the agent")
         if not body:
             # No body: END_STREAM on the head (a HEAD, 204 or 304 answer, or an empty one).
-            await self._headers(decided.status, fields, end=True)
+            self._done = True
+            await session.batched()
             return
         # Queued, and written with the DATA (one write for a small answer).
-        await self._headers(decided.status, fields, end=False, flush=False)
+        if len(body) <= session.server.send_window(self.stream_id):
+            # The whole body in one frame (most small answers): `_data`'s first round, without
+            # its slicing.
+            if session.server.send_data(self.stream_id, body, end=True) < 0:
+                raise trio.BrokenResourceError(self.broken or "stream closed")
+            self._done = True
+            await session.batched()
+            return
         await self._data(body, end=True)
 
     async def _headers(
@@ -341,7 +360,9 @@ class StreamPipe(PlainStream):
         """The exchange is over: a response it did not finish is reset (the agent must not
         take a cut body for a whole one); a request body it did not read is stopped
         (RFC 9113 8.1: RST_STREAM NO_ERROR after a complete response)."""
-        self._closing = True
+        if self._closed:
+            return  # the exchange closed it, then the session (one reset, one kick)
+        self._closed = self._closing = True
         server = self._session.server
         if not self._done:
             server.reset(self.stream_id, ErrorCode.CANCEL)

@@ -87,6 +87,7 @@ __all__ = [
 
 # Above this many queued bytes a stream writes them itself instead of leaving them to the writer.
 BATCH_BYTES = 65536
+_STREAM_TASK = "proxycore.io.http2.H2Session._serve_stream"
 
 
 class PrefaceReceived(Exception):
@@ -424,7 +425,8 @@ class H2Session(OrderedWriter):
             runtime.sink.emit(refusal.event)
             self.nursery.start_soon(self._answer, pipe, refusal.response())
         else:
-            self.nursery.start_soon(self._serve_stream, pipe, method)
+            # A fixed name: trio would otherwise format one from the function for every task.
+            self.nursery.start_soon(self._serve_stream, pipe, method, name=_STREAM_TASK)
 
     def _start_upgraded(self, head: http1.RequestHead) -> None:
         """Stream 1 of an upgraded connection: the HTTP/1.1 request as it was read."""

@@ -45,11 +45,28 @@ class _Head:
         return headers
 
     def get(self, name: bytes) -> bytes | None:
-        """The first value of header `name` (lowercase), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        """The first value of header `name` (lowercase), or None: `headers`' answer, without
+        splitting every field when they are not split yet (a response's content-type is often
+        the only field read in Python: splitting them all cost more than the rest of the read).
+        """
+        headers = self._headers
+        if headers is not None:
+            for key, value in headers:
+                if key == name:
+                    return value
+            return None
+        # The parser accepts field lines only as `token ":" value` right after a CRLF: no
+        # whitespace before the colon, no obs-fold, no CR or LF in a value (parse.py). So the
+        # first field line named `name` (a token: no colon in it) starts at the first CRLF
+        # name ":" of the lowercased head, which cannot fall in the start line or the final
+        # CRLF CRLF; its value runs to the next CRLF.
+        raw = self.raw
+        at = raw.lower().find(b"\r\n" + name + b":", 0, len(raw) - 4)
+        if at < 0:
+            return None
+        begin = at + 3 + len(name)
+        value = raw[begin : raw.find(b"\r\n", begin)].strip(b" \t")
+        return value.lower() if name == TRANSFER_ENCODING else value
 
     def _key(self) -> tuple[object, ...]:
         raise NotImplementedError

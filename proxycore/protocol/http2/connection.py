@@ -34,7 +34,7 @@ import base64
 import binascii
 
 from proxycore.errors import Http2ConnectionError
-from proxycore.protocol.http2.endpoint import Fields, H2Endpoint, advertised_settings
+from proxycore.protocol.http2.endpoint import Fields, H2Endpoint, Stream, advertised_settings
 from proxycore.protocol.http2.events import (
     ConnectionEnded,
     H2Event,
@@ -44,7 +44,9 @@ from proxycore.protocol.http2.events import (
 )
 from proxycore.protocol.http2.fields import CONNECTION_SPECIFIC, well_formed
 from proxycore.protocol.http2.frames import ErrorCode, Setting, data_frame, goaway_frame
+from proxycore.protocol.http2.hpack_out import SENSITIVE
 from proxycore.protocol.http2.limits import H2Limits
+from proxycore.protocol.http2.messages import decided_fields
 
 __all__ = ["PREFACE", "ErrorCode", "H2Server", "preface_state"]
 
@@ -266,24 +268,65 @@ class H2Server(H2Endpoint):
         """The response head (or an interim 1xx one, RFC 9113 8.1); False when the stream is
         gone or the head is not one the client may receive now (a second final head, an
         interim one after it or with END_STREAM, 101). Fields HTTP/2 forbids are dropped."""
-        if stream_id not in self._live or stream_id in self._responded or self.closed:
+        stream = self._head_stream(stream_id, status, end)
+        if stream is None:
             return False
+        self._send_head(stream_id, stream, response_head_fields(status, headers), end)
+        self._headed(stream_id, status, end)
+        return True
+
+    def send_decided_head(
+        self,
+        stream_id: int,
+        status: int,
+        start: bytes,
+        content_length: int | None,
+        *,
+        closes: bool,
+        end: bool,
+    ) -> bool:
+        """`send_headers` for a final head the exchange decided (`messages.decided_fields` of
+        its `ResponsePlan.start`): the same frames, the HPACK block taken from a bounded
+        process-wide cache when the same head was sent before (a busy upstream answers many
+        streams with the same head within a second; building and encoding its fields was a
+        tenth of what a small response costs this side)."""
+        stream = self._head_stream(stream_id, status, end)
+        if stream is None:
+            return False
+        key = (status, start, content_length, closes)
+        block = _decided_blocks.get(key)
+        if block is None:
+            fields = response_head_fields(
+                status, decided_fields(start, content_length, closes=closes)
+            )
+            block = self._encoder.encode(fields)
+            if len(start) <= _DECIDED_START_BYTES and not any(
+                name in SENSITIVE for name, _ in fields
+            ):
+                if len(_decided_blocks) >= _DECIDED_LIMIT:
+                    _decided_blocks.clear()
+                _decided_blocks[key] = block
+        self._send_block(stream_id, stream, block, end)
+        self._headed(stream_id, status, end)
+        return True
+
+    def _head_stream(self, stream_id: int, status: int, end: bool) -> Stream | None:
+        """The stream a head with `status` may be sent on now, or None (see `send_headers`)."""
+        if stream_id not in self._live or stream_id in self._responded or self.closed:
+            return None
         interim = 100 <= status < 200
         if not 100 <= status <= 999 or status == 101 or (interim and end):
-            return False
+            return None
         stream = self._streams.get(stream_id)
         if stream is None or stream.local_closed:
-            return False
-        fields = [(b":status", b"%d" % status)]
-        fields += [
-            (n, v) for n, v in headers if n not in _CONNECTION_SPECIFIC and well_formed(n, v)
-        ]
-        self._send_head(stream_id, stream, fields, end)
-        if not interim:
+            return None
+        return stream
+
+    def _headed(self, stream_id: int, status: int, end: bool) -> None:
+        if not 100 <= status < 200:
             self._responded.add(stream_id)
         if end:
             self._end(stream_id)
-        return True
 
     def send_data(self, stream_id: int, data: bytes | memoryview, *, end: bool) -> int:
         """Send as much of `data` as the windows allow (one frame); returns the bytes taken.
@@ -361,6 +404,24 @@ class H2Server(H2Endpoint):
     def _end(self, stream_id: int) -> bool:
         self._responded.discard(stream_id)
         return super()._end(stream_id)
+
+
+def response_head_fields(
+    status: int, headers: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    """A response head's fields as sent: :status first, then the fields HTTP/2 allows."""
+    fields = [(b":status", b"%d" % status)]
+    fields += [(n, v) for n, v in headers if n not in _CONNECTION_SPECIFIC and well_formed(n, v)]
+    return fields
+
+
+# `send_decided_head`'s cache: HPACK blocks by (status, start, content length, closes), for the
+# process (the stateless encoder makes a block a function of the head alone, whatever the
+# connection), emptied when full. Heads that carry a secret (hpack_out.SENSITIVE: cookies,
+# credentials) are never kept, nor long ones.
+_DECIDED_LIMIT = 256
+_DECIDED_START_BYTES = 2048
+_decided_blocks: dict[tuple[int, bytes, int | None, bool], bytes] = {}
 
 
 def preface_state(buffer: bytes | bytearray) -> bool | None:

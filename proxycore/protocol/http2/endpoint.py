@@ -64,6 +64,7 @@ from proxycore.protocol.http2.frames import (
     DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
+    FRAME_HEADER,
     HEADERS,
     MAX_FRAME_SIZE_LIMIT,
     MAX_WINDOW,
@@ -75,7 +76,6 @@ from proxycore.protocol.http2.frames import (
     SETTINGS,
     ErrorCode,
     Setting,
-    data_frame,
     frame,
     goaway_frame,
     header_frames,
@@ -234,17 +234,18 @@ class H2Endpoint:
         size = len(data)
         max_frame_size = self.limits.max_frame_size
         handlers = self._handlers
+        read_header = FRAME_HEADER.unpack_from
         pos = 0
         try:
             while size - pos >= 9:
-                length = (data[pos] << 16) | (data[pos + 1] << 8) | data[pos + 2]
+                high, low, kind, flags, stream_id = read_header(data, pos)
+                length = (high << 8) | low
                 if length > max_frame_size:
                     self._fail("frame too large", ErrorCode.FRAME_SIZE_ERROR, "h2_frame_size")
                 end = pos + 9 + length
                 if end > size:
                     break
-                kind, flags = data[pos + 3], data[pos + 4]
-                stream_id = int.from_bytes(data[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                stream_id &= 0x7FFFFFFF
                 payload = data[pos + 9 : end]
                 pos = end
                 self._account(kind, flags, length, now)
@@ -712,7 +713,11 @@ class H2Endpoint:
     def _send_head(
         self, stream_id: int, stream: Stream, fields: list[tuple[bytes, bytes]], end: bool
     ) -> None:
-        block = self._encoder.encode(fields)
+        self._send_block(stream_id, stream, self._encoder.encode(fields), end)
+
+    def _send_block(self, stream_id: int, stream: Stream, block: bytes, end: bool) -> None:
+        """A head already encoded (by the stateless encoder: the block depends on the fields
+        alone, so one made earlier for the same fields is the same bytes)."""
         self._out += header_frames(
             stream_id, block, end=end, max_frame_size=self._peer_max_frame_size
         )
@@ -723,7 +728,10 @@ class H2Endpoint:
         size = len(chunk)
         stream.send_window -= size
         self._send_conn -= size
-        self._out += data_frame(stream_id, chunk, end=end)
+        # data_frame's bytes, appended as header and payload (no copy of the payload in between).
+        out = self._out
+        out += FRAME_HEADER.pack(size >> 8, size & 0xFF, DATA, END_STREAM if end else 0, stream_id)
+        out += chunk
         if end:
             self._local_end(stream_id, stream)
 

@@ -9,10 +9,12 @@ the checks RFC 9113 asks of each type.
 from __future__ import annotations
 
 import enum
+import struct
 
 __all__ = [
     "CONTINUATION",
     "DATA",
+    "FRAME_HEADER",
     "GOAWAY",
     "HEADERS",
     "PING",
@@ -81,14 +83,18 @@ class Setting(enum.IntEnum):
     ENABLE_CONNECT_PROTOCOL = 0x8
 
 
+# The 9-octet frame header (RFC 9113 4.1): the 24-bit length as its high 16 bits and its low 8,
+# type, flags, and the reserved bit with the 31-bit stream identifier. One struct call packs or
+# reads it (a frame or two per stream each way: building it from bytes() and int.to_bytes, or
+# reading it octet by octet, cost more than the rest of a small frame).
+FRAME_HEADER = struct.Struct(">HBBBL")
+_pack_header = FRAME_HEADER.pack
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     """One frame: the 9-octet header (RFC 9113 4.1) and its payload."""
     length = len(payload)
-    return (
-        bytes((length >> 16, (length >> 8) & 0xFF, length & 0xFF, kind, flags))
-        + stream_id.to_bytes(4, "big")
-        + payload
-    )
+    return _pack_header(length >> 8, length & 0xFF, kind, flags, stream_id) + payload
 
 
 def data_frame(stream_id: int, data: bytes, *, end: bool) -> bytes:

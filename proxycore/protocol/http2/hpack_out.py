@@ -35,7 +35,7 @@ from hpack.table import HeaderTable
 
 from proxycore.protocol.credentials import CREDENTIAL_HEADERS
 
-__all__ = ["StatelessEncoder", "encode_field"]
+__all__ = ["SENSITIVE", "StatelessEncoder", "encode_field"]
 
 # RFC 7541 Appendix A: index 1..61.
 _STATIC_FIELD: dict[tuple[bytes, bytes], int] = {}
@@ -44,9 +44,10 @@ for _index, (_name, _value) in enumerate(HeaderTable.STATIC_TABLE, start=1):
     _STATIC_FIELD.setdefault((_name, _value), _index)
     _STATIC_NAME.setdefault(_name, _index)
 
-# Fields whose values are secrets: never indexed (RFC 7541 7.1.3) and never cached. Every field a
-# credential travels in (the provider keys the proxy injects upstream among them), and cookies.
-_SENSITIVE = CREDENTIAL_HEADERS | {b"set-cookie"}
+# Fields whose values are secrets: never indexed (RFC 7541 7.1.3) and never cached (here, nor in
+# connection.py's cache of whole response heads). Every field a credential travels in (the
+# provider keys the proxy injects upstream among them), and cookies.
+SENSITIVE = CREDENTIAL_HEADERS | {b"set-cookie"}
 
 _CACHE_LIMIT = 1024
 _cache: dict[tuple[bytes, bytes], bytes] = {}
@@ -76,7 +77,7 @@ def encode_field(name: bytes, value: bytes) -> bytes:
     index = _STATIC_FIELD.get((name, value))
     if index is not None:
         return _integer(index, 7, 0x80)
-    first = 0x10 if name in _SENSITIVE else 0x00
+    first = 0x10 if name in SENSITIVE else 0x00
     name_index = _STATIC_NAME.get(name)
     if name_index is not None:
         return _integer(name_index, 4, first) + _string(value)
@@ -101,7 +102,7 @@ class StatelessEncoder:
             encoded = cache.get(key)
             if encoded is None:
                 encoded = encode_field(name, value)
-                if name in _SENSITIVE:
+                if name in SENSITIVE:
                     out.append(encoded)
                     continue
                 if len(cache) >= _CACHE_LIMIT:
