@@ -2087,7 +2087,8 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
         if (lits) {
             /* the blocks beginning before p + 32 that have their 8 bytes (the last ones may
              * not: they wait for the loop after this one) */
-            for (; lb < p + 32 && lb + WINDOW <= n; lb += 5) {
+            const size_t lb_end = p + 32 < n - WINDOW + 1 ? p + 32 : n - WINDOW + 1;
+            for (; lb < lb_end; lb += 5) {
                 if (__builtin_expect(b4_has(b4, b4_mask, S + lb + 4), 0)) {
                     for (size_t q = lb; q <= lb + 4 && q + WINDOW <= n; q++) lit8_at(c, q);
                 }
