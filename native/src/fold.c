@@ -363,6 +363,9 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
     const __m256i zero = _mm256_setzero_si256(), nib = _mm256_set1_epi8(0x0F);
     const __m256i tlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)PLAIN_LO));
     const __m256i thi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)PLAIN_HI));
+    /* The gap in locals: through g, every store to flags (uint8_t, which may alias anything)
+     * made the compiler read them again. */
+    uint32_t gu = g->gap_units, gb = g->gap_bytes, br = g->broken;
     while (n - i >= 32) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(d + i));
         __m256i low = _mm256_or_si256(v, _mm256_set1_epi8(0x20));
@@ -390,9 +393,9 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
             m &= (1u << len) - 1;
         }
         if (!m) {
-            g->gap_units += len;
-            g->gap_bytes += len;
-            g->broken |= g->gap_units > MAX_GAP || g->gap_bytes > GAP_BYTES;
+            gu += len;
+            gb += len;
+            br |= gu > MAX_GAP || gb > GAP_BYTES;
         } else {
             size_t k0 = k;
             _mm256_storeu_si256((__m256i *)(flags + k0), zero);
@@ -421,7 +424,7 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
             FOLD_QUARTER(3, hi16);
 #undef FOLD_QUARTER
             uint32_t first = (uint32_t)__builtin_ctz(m);
-            if (g->broken || g->gap_units + first > MAX_GAP || g->gap_bytes + first > GAP_BYTES)
+            if (br || gu + first > MAX_GAP || gb + first > GAP_BYTES)
                 flags[k0] = F_BREAK;
             /* The block's other characters after more than MAX_GAP bytes that are not: bit p of
              * run is set when the MAX_GAP + 1 bits from p are all clear in m, so a character at
@@ -434,13 +437,16 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
                 flags[k0 + (size_t)__builtin_popcount(m & ((1u << bit) - 1))] = F_BREAK;
             }
             uint32_t after = len - 1 - (31u - (uint32_t)__builtin_clz(m));
-            g->gap_units = g->gap_bytes = after;
-            g->broken = after > MAX_GAP;
+            gu = gb = after;
+            br = after > MAX_GAP;
         }
         i += len;
         if (len < 32) break;
     }
     *nc = k;
+    g->gap_units = gu;
+    g->gap_bytes = gb;
+    g->broken = br;
     return i;
 }
 #endif
@@ -780,9 +786,17 @@ static inline uint64_t gram_hash(uint64_t g) {
 /* Four bits in one word: one cache line per probe. With the filter's ~32 bits per gram (256
  * secrets) 2-5 probes in 10,000 pass on JSON and source code holding none of the secrets (with
  * three bits, up to 11); each costs the lookup of up to 9 windows per length. */
+#define BIT1(n) (1ull << (n))
+#define BIT4(n) BIT1(n), BIT1((n) + 1), BIT1((n) + 2), BIT1((n) + 3)
+#define BIT16(n) BIT4(n), BIT4((n) + 4), BIT4((n) + 8), BIT4((n) + 12)
+/* 1 << n from a table: a variable shift takes its count in cl on x86-64 without BMI2, and that
+ * costs more instructions per bit than a load from these 512 bytes. */
+static const uint64_t BIT[64] = {BIT16(0), BIT16(16), BIT16(32), BIT16(48)};
+#undef BIT16
+#undef BIT4
+#undef BIT1
 static inline uint64_t gram_bits(uint64_t h) {
-    return (1ull << (h & 63)) | (1ull << ((h >> 6) & 63)) | (1ull << ((h >> 12) & 63)) |
-           (1ull << ((h >> 18) & 63));
+    return BIT[h & 63] | BIT[(h >> 6) & 63] | BIT[(h >> 12) & 63] | BIT[(h >> 18) & 63];
 }
 
 static inline uint64_t hold_gram_of(const uint8_t *s) {
