@@ -640,6 +640,43 @@ def test_large_inputs_cross_the_c_pieces() -> None:
     assert streamed(t, text, [third, third, len(text) - 2 * third]) == want
 
 
+@needs_native
+def test_every_byte_value_takes_the_same_path_in_c_as_in_the_reference() -> None:
+    # The C engine classifies bytes 32 at a time (letter, digit, a byte that needs the decoder,
+    # one that may start a UTF-8 character) from two nibble tables. Each of the 256 values, at
+    # every alignment in a block, goes inside the key followed by what would make it a unit of
+    # its own (an escape or entity of the key's next letter, an ANSI sequence, a marker, UTF-8
+    # continuation bytes, the rest of a character that folds to that letter): a byte taken for
+    # plain when it is not, or the reverse, changes whether the key is found.
+    t, ref = tables("native"), tables("reference")
+    c = KEY[20]
+    follows = [
+        b"%02x" % c,
+        b"2525%02x" % c,
+        b"#%d;" % c,
+        b"#x%x;" % c,
+        b"amp;#%d;" % c,
+        b"x%02x" % c,
+        b"u%04x" % c,
+        b"[0m" + bytes([c]),
+        b"REDACTED:token]" + bytes([c]),
+        b"\xa9" + bytes([c]),
+        b"\x8b\x80" + bytes([c]),
+        bytes([c]),
+    ]
+    # The key's letter as a three- and a four-byte character that fold to it (fullwidth,
+    # mathematical bold), without their first byte: the value that is that byte completes it.
+    assert ord("a") <= c <= ord("z")
+    for wide in (chr(0xFF41 + c - ord("a")), chr(0x1D41A + c - ord("a"))):
+        assert unicodedata.normalize("NFKC", wide) == chr(c)
+        follows.append(wide.encode()[1:])
+    for value in range(256):
+        for at in range(0, 32, 5):
+            body = b"".join(KEY[:20] + bytes([value]) + f + KEY[21:] + b" " for f in follows)
+            text = b"x" * at + body + bytes([value]) * 40
+            assert t.scrub(text) == fold_whole(ref, text), (value, at)
+
+
 @ENGINES
 def test_the_most_a_stream_holds_without_a_match(engine: str) -> None:
     # The hold an attacker can force: characters that could begin a window (a secret's own, at

@@ -330,6 +330,29 @@ typedef struct {
     uint32_t gap_units, gap_bytes, broken; /* scrub_fold.view's, after the last unit read */
 } gap_t;
 
+/* plain_avx2's byte classes: a byte's classes are PLAIN_LO[its low nibble] & PLAIN_HI[its
+ * high nibble], a bit per set of (high, low) nibbles:
+ *   bit 0: high 4 or 6, low 1-F (A-O, a-o)      bit 1: high 5 or 7, low 0-A (P-Z, p-z)
+ *   bit 2: high 3, low 0-9 (digits)             bit 3: high 1 or 5, low B (ESC, `[`)
+ *   bit 4: high 2, low 5-6 (`%`, `&`)           bit 5: high 5, low C (`\`)
+ *   bit 6: high C-E, low 2-F                    bit 7: high D-F, low 0-4
+ * Bits 6 and 7 together are 0xC2-0xF4, the bytes that may start a UTF-8 character (C2-CF,
+ * D0-DF, E0-EF from bit 6 or 7, F0-F4 from bit 7). tests/test_scrub_fold.py puts every byte
+ * value through this path where a wrong class would change the output, against the reference. */
+enum { C_ALNUM = 0x07, C_SLOW = 0x38, C_LEAD = 0xC0 };
+static const uint8_t PLAIN_LO[16] = {
+    0x02 | 0x04 | 0x80,        0x01 | 0x02 | 0x04 | 0x80, 0x01 | 0x02 | 0x04 | 0x40 | 0x80,
+    0x01 | 0x02 | 0x04 | 0x40 | 0x80, 0x01 | 0x02 | 0x04 | 0x40 | 0x80,
+    0x01 | 0x02 | 0x04 | 0x10 | 0x40, 0x01 | 0x02 | 0x04 | 0x10 | 0x40,
+    0x01 | 0x02 | 0x04 | 0x40, 0x01 | 0x02 | 0x04 | 0x40, 0x01 | 0x02 | 0x04 | 0x40,
+    0x01 | 0x02 | 0x40,        0x01 | 0x08 | 0x40,        0x01 | 0x20 | 0x40,
+    0x01 | 0x40,               0x01 | 0x40,               0x01 | 0x40,
+};
+static const uint8_t PLAIN_HI[16] = {
+    0x00, 0x08, 0x10, 0x04, 0x01, 0x02 | 0x08 | 0x20, 0x01, 0x02,
+    0x00, 0x00, 0x00, 0x00, 0x40, 0x40 | 0x80,        0x40 | 0x80, 0x80,
+};
+
 /* Appends the units of d[i:] to the view while whole blocks of 32 plain bytes (or the plain
  * start of a block) remain; returns where it stopped: at a byte that is not plain, or with
  * fewer than 32 bytes left. chars, rs and flags have room for *nc + 32 more entries. */
@@ -337,33 +360,32 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
                                                           uint8_t *chars, uint32_t *rs,
                                                           uint8_t *flags, size_t *nc, gap_t *g) {
     size_t k = *nc;
-    const __m256i zero = _mm256_setzero_si256();
+    const __m256i zero = _mm256_setzero_si256(), nib = _mm256_set1_epi8(0x0F);
+    const __m256i tlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)PLAIN_LO));
+    const __m256i thi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)PLAIN_HI));
+    /* The gap in locals: through g, every store to flags (uint8_t, which may alias anything)
+     * made the compiler read them again. */
+    uint32_t gu = g->gap_units, gb = g->gap_bytes, br = g->broken;
     while (n - i >= 32) {
         __m256i v = _mm256_loadu_si256((const __m256i *)(d + i));
         __m256i low = _mm256_or_si256(v, _mm256_set1_epi8(0x20));
-        /* Signed compares: a byte >= 0x80 is negative, so never a letter or digit. */
-        __m256i letter = _mm256_and_si256(_mm256_cmpgt_epi8(low, _mm256_set1_epi8('a' - 1)),
-                                          _mm256_cmpgt_epi8(_mm256_set1_epi8('z' + 1), low));
-        __m256i digit = _mm256_and_si256(_mm256_cmpgt_epi8(v, _mm256_set1_epi8('0' - 1)),
-                                         _mm256_cmpgt_epi8(_mm256_set1_epi8('9' + 1), v));
-        /* Not plain: ESC % & \\ [, and 0xC2-0xF4 (-62..-12 signed: only negative bytes) before a
-         * continuation byte. */
-        __m256i lead = _mm256_and_si256(_mm256_cmpgt_epi8(v, _mm256_set1_epi8(-63)),
-                                        _mm256_cmpgt_epi8(_mm256_set1_epi8(-11), v));
-        __m256i slow = _mm256_or_si256(
-            _mm256_or_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(0x1B)),
-                            _mm256_cmpeq_epi8(v, _mm256_set1_epi8('%'))),
-            _mm256_or_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8('&')),
-                            _mm256_cmpeq_epi8(v, _mm256_set1_epi8('\\'))));
-        slow = _mm256_or_si256(slow, _mm256_cmpeq_epi8(v, _mm256_set1_epi8('[')));
+        /* Each byte's classes from two 16-entry tables, one per nibble (see PLAIN_LO): fewer
+         * operations and constants than a compare per range or byte, whose constants did not
+         * fit the registers and were rebuilt in every block. */
+        __m256i cls = _mm256_and_si256(
+            _mm256_shuffle_epi8(tlo, _mm256_and_si256(v, nib)),
+            _mm256_shuffle_epi8(thi, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)));
+        __m256i alnum = _mm256_cmpeq_epi8(_mm256_and_si256(cls, _mm256_set1_epi8(C_ALNUM)), zero);
+        __m256i slow = _mm256_cmpeq_epi8(_mm256_and_si256(cls, _mm256_set1_epi8(C_SLOW)), zero);
+        __m256i lead = _mm256_cmpeq_epi8(_mm256_and_si256(cls, _mm256_set1_epi8(C_LEAD)), zero);
         /* A lead byte not followed by a continuation byte (0x80-0xBF: -128..-65) is one
          * IGNORED byte whatever it leads (utf8() reads only that next byte): plain, unless that
          * byte is past the block. Random or binary data is mostly such bytes. */
         uint32_t cont = (uint32_t)_mm256_movemask_epi8(
             _mm256_cmpgt_epi8(_mm256_set1_epi8(-64), v));
-        uint32_t s = (uint32_t)_mm256_movemask_epi8(slow) |
-                     ((uint32_t)_mm256_movemask_epi8(lead) & ((cont >> 1) | 0x80000000u));
-        uint32_t m = (uint32_t)_mm256_movemask_epi8(_mm256_or_si256(letter, digit));
+        uint32_t s = ~(uint32_t)_mm256_movemask_epi8(slow) |
+                     (~(uint32_t)_mm256_movemask_epi8(lead) & ((cont >> 1) | 0x80000000u));
+        uint32_t m = ~(uint32_t)_mm256_movemask_epi8(alnum);
         uint32_t len = 32;
         if (s) {
             len = (uint32_t)__builtin_ctz(s);
@@ -371,26 +393,38 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
             m &= (1u << len) - 1;
         }
         if (!m) {
-            g->gap_units += len;
-            g->gap_bytes += len;
-            g->broken |= g->gap_units > MAX_GAP || g->gap_bytes > GAP_BYTES;
+            gu += len;
+            gb += len;
+            br |= gu > MAX_GAP || gb > GAP_BYTES;
         } else {
             size_t k0 = k;
             _mm256_storeu_si256((__m256i *)(flags + k0), zero);
-            __m128i halves[2] = {_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)};
-            for (int q = 0; q < 4; q++) {
-                uint32_t m8 = (m >> (8 * q)) & 0xFF;
-                __m128i ctl = _mm_cvtsi64_si128((long long)COMPRESS[m8]);
-                __m128i src = halves[q >> 1];
-                __m128i sel = (q & 1) ? _mm_add_epi8(ctl, _mm_set1_epi8(8)) : ctl;
-                _mm_storel_epi64((__m128i *)(chars + k), _mm_shuffle_epi8(src, sel));
-                __m256i off = _mm256_add_epi32(_mm256_cvtepu8_epi32(ctl),
-                                               _mm256_set1_epi32((int)(i + 8 * (size_t)q)));
-                _mm256_storeu_si256((__m256i *)(rs + k), off);
-                k += (size_t)__builtin_popcount(m8);
-            }
+            /* The four 8-byte quarters written out, not looped: as a loop, the compiler kept the
+             * two halves in a stack array and spent more instructions on the loop than on the
+             * packing. A quarter's control is its indexes + 8 * q (< 32): the shuffle reads only
+             * the low four bits and bit 7 of each, so the same bytes select within the half and,
+             * widened and added to one broadcast of i, are the raw offsets. */
+            const __m128i lo16 = _mm256_castsi256_si128(low);
+            const __m128i hi16 = _mm256_extracti128_si256(low, 1);
+            const __m256i base = _mm256_set1_epi32((int)i);
+#define FOLD_QUARTER(q, src)                                                                     \
+    do {                                                                                         \
+        const uint32_t m8 = (m >> (8 * (q))) & 0xFF;                                             \
+        const __m128i at = _mm_add_epi8(_mm_loadl_epi64((const __m128i *)&COMPRESS[m8]),         \
+                                        _mm_set1_epi8(8 * (q)));                                 \
+        _mm_storel_epi64((__m128i *)(chars + k),                                                 \
+                         _mm_shuffle_epi8((src), at));                                           \
+        _mm256_storeu_si256((__m256i *)(rs + k),                                                 \
+                            _mm256_add_epi32(_mm256_cvtepu8_epi32(at), base));                   \
+        k += (size_t)__builtin_popcount(m8);                                                     \
+    } while (0)
+            FOLD_QUARTER(0, lo16);
+            FOLD_QUARTER(1, lo16);
+            FOLD_QUARTER(2, hi16);
+            FOLD_QUARTER(3, hi16);
+#undef FOLD_QUARTER
             uint32_t first = (uint32_t)__builtin_ctz(m);
-            if (g->broken || g->gap_units + first > MAX_GAP || g->gap_bytes + first > GAP_BYTES)
+            if (br || gu + first > MAX_GAP || gb + first > GAP_BYTES)
                 flags[k0] = F_BREAK;
             /* The block's other characters after more than MAX_GAP bytes that are not: bit p of
              * run is set when the MAX_GAP + 1 bits from p are all clear in m, so a character at
@@ -403,13 +437,16 @@ __attribute__((target("avx2"))) static size_t plain_avx2(const uint8_t *d, size_
                 flags[k0 + (size_t)__builtin_popcount(m & ((1u << bit) - 1))] = F_BREAK;
             }
             uint32_t after = len - 1 - (31u - (uint32_t)__builtin_clz(m));
-            g->gap_units = g->gap_bytes = after;
-            g->broken = after > MAX_GAP;
+            gu = gb = after;
+            br = after > MAX_GAP;
         }
         i += len;
         if (len < 32) break;
     }
     *nc = k;
+    g->gap_units = gu;
+    g->gap_bytes = gb;
+    g->broken = br;
     return i;
 }
 #endif
@@ -749,9 +786,17 @@ static inline uint64_t gram_hash(uint64_t g) {
 /* Four bits in one word: one cache line per probe. With the filter's ~32 bits per gram (256
  * secrets) 2-5 probes in 10,000 pass on JSON and source code holding none of the secrets (with
  * three bits, up to 11); each costs the lookup of up to 9 windows per length. */
+#define BIT1(n) (1ull << (n))
+#define BIT4(n) BIT1(n), BIT1((n) + 1), BIT1((n) + 2), BIT1((n) + 3)
+#define BIT16(n) BIT4(n), BIT4((n) + 4), BIT4((n) + 8), BIT4((n) + 12)
+/* 1 << n from a table: a variable shift takes its count in cl on x86-64 without BMI2, and that
+ * costs more instructions per bit than a load from these 512 bytes. */
+static const uint64_t BIT[64] = {BIT16(0), BIT16(16), BIT16(32), BIT16(48)};
+#undef BIT16
+#undef BIT4
+#undef BIT1
 static inline uint64_t gram_bits(uint64_t h) {
-    return (1ull << (h & 63)) | (1ull << ((h >> 6) & 63)) | (1ull << ((h >> 12) & 63)) |
-           (1ull << ((h >> 18) & 63));
+    return BIT[h & 63] | BIT[(h >> 6) & 63] | BIT[(h >> 12) & 63] | BIT[(h >> 18) & 63];
 }
 
 static inline uint64_t hold_gram_of(const uint8_t *s) {
@@ -1194,49 +1239,57 @@ static int advance(const fold_tables *t, fold_work *w, const uint8_t *d, size_t 
     /* Pass 2: the windows, probed every `stride` positions (see the top of this file). The
      * filter is larger than a core's L2 with hundreds of secrets, so nearly every probe misses
      * the cache: the hashes of a batch of PROBE_BATCH probes are computed and their words
-     * prefetched one batch ahead of the tests, which keeps that many misses in flight. */
+     * prefetched one batch ahead of the tests, which keeps that many misses in flight. A batch
+     * is tested without a branch per probe (its passes collected in a mask: a pass is rare,
+     * 2-5 in 10,000), and only the probes that pass are checked for a BREAK inside their gram
+     * and go on to the windows, in order. */
     size_t next_p[W + 1] = {0};
     const size_t stride = t->stride;
     const uint64_t *grams = t->grams;
     const unsigned gshift = t->grams_shift;
     const size_t nprobe = nc >= GRAM ? (nc - GRAM) / stride + 1 : 0;
+    _Static_assert(PROBE_BATCH <= 32, "a batch's passes fit a 32-bit mask");
     uint64_t hbuf[2][PROBE_BATCH];
     for (size_t j = 0; j < nprobe && j < PROBE_BATCH; j++) {
         hbuf[0][j] = probe_hash(gram_of(chars + j * stride));
         PREFETCH(&grams[hbuf[0][j] >> gshift]);
     }
-    for (size_t j = 0; j < nprobe; j++) {
-        size_t slot = j % PROBE_BATCH;
-        if (slot == 0) { /* the next batch's words, fetched while this one is tested */
-            uint64_t *next = hbuf[(j / PROBE_BATCH + 1) & 1];
-            for (size_t q = j + PROBE_BATCH; q < nprobe && q < j + 2 * PROBE_BATCH; q++) {
-                next[q - j - PROBE_BATCH] = probe_hash(gram_of(chars + q * stride));
-                PREFETCH(&grams[next[q - j - PROBE_BATCH] >> gshift]);
-            }
+    for (size_t b0 = 0, half = 0; b0 < nprobe; b0 += PROBE_BATCH, half ^= 1) {
+        const uint64_t *cur = hbuf[half];
+        uint64_t *next = hbuf[half ^ 1];
+        const size_t bend = nprobe - b0 < PROBE_BATCH ? nprobe : b0 + PROBE_BATCH;
+        const size_t nend = nprobe - bend < PROBE_BATCH ? nprobe : bend + PROBE_BATCH;
+        for (size_t q = bend; q < nend; q++) { /* the next batch's words, fetched now */
+            next[q - bend] = probe_hash(gram_of(chars + q * stride));
+            PREFETCH(&grams[next[q - bend] >> gshift]);
         }
-        const size_t k = j * stride;
-        const uint64_t h = hbuf[(j / PROBE_BATCH) & 1][slot];
-        if (break_in_gram(flags + k)) continue; /* a BREAK inside the gram */
-        uint64_t bits = gram_bits(h);
-        if ((grams[h >> gshift] & bits) != bits) continue;
-        for (int m = 0; m < t->nlen; m++) {
-            size_t len = (size_t)t->lengths[m];
-            size_t p = k > len - GRAM ? k - (len - GRAM) : 0;
-            if (p < next_p[len]) p = next_p[len];
-            for (; p <= k && p + len <= nc; p++) {
-                if (break_in(flags, p + 1, p + len)) continue;
-                uint64_t lo, khi;
-                window_key(chars + p, len, &lo, &khi);
-                int32_t idx = lookup(t, lo, khi);
-                if (idx < 0) continue;
-                rc = grow((void **)&w->spans, &w->spans_cap, nspans + 1, sizeof(span_t));
-                if (rc) return rc;
-                w->spans[nspans].start = (uint32_t)p;
-                w->spans[nspans].end = (uint32_t)(p + len);
-                w->spans[nspans].idx = idx;
-                nspans++;
+        uint32_t pass = 0;
+        for (size_t q = 0; q < bend - b0; q++) {
+            const uint64_t h = cur[q], bits = gram_bits(h);
+            pass |= (uint32_t)((grams[h >> gshift] & bits) == bits) << q;
+        }
+        for (; pass; pass &= pass - 1) {
+            const size_t k = (b0 + (size_t)__builtin_ctz(pass)) * stride;
+            if (break_in_gram(flags + k)) continue; /* a BREAK inside the gram */
+            for (int m = 0; m < t->nlen; m++) {
+                size_t len = (size_t)t->lengths[m];
+                size_t p = k > len - GRAM ? k - (len - GRAM) : 0;
+                if (p < next_p[len]) p = next_p[len];
+                for (; p <= k && p + len <= nc; p++) {
+                    if (break_in(flags, p + 1, p + len)) continue;
+                    uint64_t lo, khi;
+                    window_key(chars + p, len, &lo, &khi);
+                    int32_t idx = lookup(t, lo, khi);
+                    if (idx < 0) continue;
+                    rc = grow((void **)&w->spans, &w->spans_cap, nspans + 1, sizeof(span_t));
+                    if (rc) return rc;
+                    w->spans[nspans].start = (uint32_t)p;
+                    w->spans[nspans].end = (uint32_t)(p + len);
+                    w->spans[nspans].idx = idx;
+                    nspans++;
+                }
+                next_p[len] = k + 1;
             }
-            next_p[len] = k + 1;
         }
     }
     size_t parsed = i;

@@ -2033,12 +2033,15 @@ static void shape_cands(scan_t *c, uint32_t *cand, size_t nc) {
     for (size_t i = 0; i < k && !c->err; i++) shape_at_key(c, cand[i]);
 }
 
-/* The loop with AVX2, shapes and literals in one pass: per 32 positions, the shapes' nibble
- * filter ("Teddy", 16 buckets) and the literals' 4-gram probes whose blocks begin there (block
- * [lb, lb + 5) is probed at lb + 4, as in fast_blocks). The filter's candidates are queued
- * (cand) and go through shape_cands every CAND_MAX or so, in order: nothing in the loop
- * branches on them. Returns the first position whose shapes are not covered; *lit_next: the
- * first literal position not covered. */
+/* The loops with AVX2: per 32 positions, the shapes' nibble filter ("Teddy", 16 buckets); then,
+ * over the whole input, the literals' 4-gram probes (block [lb, lb + 5) is probed at lb + 4, as
+ * in fast_blocks). The filter's candidates are queued (cand) and go through shape_cands every
+ * CAND_MAX or so, in order: nothing in the loop branches on them. The probes have a loop of
+ * their own: inside the Teddy loop, which keeps its 16 tables in registers, the probe's
+ * constants and bounds were spilled and reloaded at every probe (a third more instructions
+ * per probe); the order in which literal and shape matches are recorded does not matter (they
+ * are sorted before the release). Returns the first position whose shapes are not covered;
+ * *lit_next: the first literal position not covered. */
 __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, size_t *lit_next) {
     const scrub_tables *t = c->t;
     const uint8_t *S = c->S;
@@ -2059,10 +2062,21 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
     uint32_t cand[CAND_MAX + 32];
     size_t nc = 0;
     size_t p = 0, lb = 0;
-    for (; p + 35 <= n; p += 32) {
+    /* The last block is the one that ends 35 bytes before the end, overlapping the one before
+     * it (its positions already done taken out of the mask): the positions it covers would
+     * otherwise go one by one through shape_at, up to 31 of them on every call. */
+    for (int last = 0; !last;) {
+        size_t at = p;
+        uint32_t done = 0;
+        if (p + 35 > n) {
+            if (n < 35 || p + 3 >= n) break;
+            at = n - 35; /* < p, and p - at < 32 */
+            done = (UINT32_C(1) << (p - at)) - 1;
+            last = 1;
+        }
         __m256i ra = _mm256_set1_epi8(-1), rb = ra;
         for (int j = 0; j < 4; j++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(S + p + (size_t)j));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(S + at + (size_t)j));
             __m256i l = _mm256_and_si256(v, nib);
             __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
             ra = _mm256_and_si256(ra, _mm256_and_si256(_mm256_shuffle_epi8(lo[0][j], l),
@@ -2071,7 +2085,9 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
                                                        _mm256_shuffle_epi8(hi[1][j], h)));
         }
         uint32_t m = ~(uint32_t)_mm256_movemask_epi8(
-            _mm256_cmpeq_epi8(_mm256_or_si256(ra, rb), zero));
+                         _mm256_cmpeq_epi8(_mm256_or_si256(ra, rb), zero)) &
+                     ~done;
+        p = at;
         /* the first two candidates with no branch (a mask seldom has more: writing four this
          * way cost more than the branch to the loop below); when m runs out, the entry written
          * is p + 31, not counted */
@@ -2084,26 +2100,22 @@ __attribute__((target("avx2"))) static size_t fast_avx2(scan_t *c, int lits, siz
             cand[nc++] = (uint32_t)(p + (size_t)__builtin_ctz(m));
             m &= m - 1;
         }
-        if (lits) {
-            /* the blocks beginning before p + 32 that have their 8 bytes (the last ones may
-             * not: they wait for the loop after this one) */
-            for (; lb < p + 32 && lb + WINDOW <= n; lb += 5) {
-                if (__builtin_expect(b4_has(b4, b4_mask, S + lb + 4), 0)) {
-                    for (size_t q = lb; q <= lb + 4 && q + WINDOW <= n; q++) lit8_at(c, q);
-                }
-            }
-        }
         if (__builtin_expect(nc > CAND_MAX, 0)) {
             shape_cands(c, cand, nc);
             nc = 0;
         }
         if (c->err) return n;
+        p += 32;
     }
     shape_cands(c, cand, nc);
-    /* the literal blocks that still have their 8 bytes */
-    for (; lits && lb + WINDOW <= n && !c->err; lb += 5) {
-        if (lit_filter(t, S + lb + 4)) {
-            for (size_t q = lb; q <= lb + 4 && q + WINDOW <= n; q++) lit8_at(c, q);
+    /* the literal blocks that have their 8 bytes */
+    if (lits && n >= WINDOW && !c->err) {
+        const size_t lb_end = n - WINDOW + 1;
+        for (; lb < lb_end; lb += 5) {
+            if (__builtin_expect(b4_has(b4, b4_mask, S + lb + 4), 0)) {
+                for (size_t q = lb; q <= lb + 4 && q + WINDOW <= n; q++) lit8_at(c, q);
+                if (c->err) return n;
+            }
         }
     }
     *lit_next = lb;
