@@ -186,6 +186,7 @@ class ProxyPool:
         dns: bool = False,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
+        self.dns_dir = state_dir / "crew-dns"
         self.config = config
         self.port = port
         self.drop_to = drop_to
@@ -539,6 +540,32 @@ class ProxyPool:
             return None
         return udp, tcp
 
+    def resolv_conf(self, name: str) -> Path | None:
+        """The crew's resolv.conf, naming its own DNS on its gateway, written now; None if the
+        crew has no DNS from us (off, or the port was taken: its container keeps the engine's).
+        The crew's container gets it read-only at /etc/resolv.conf (crews.py)."""
+        entry = self.crews.get(name)
+        if entry is None or name not in self.dns_sockets:
+            return None
+        directory = self.dns_dir / name
+        directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        path = directory / "resolv.conf"
+        # Readable by the crew's unprivileged user in its container; written whole (a crew
+        # re-created on a new gateway gets a new file, never half of one).
+        partial = directory / "resolv.conf.tmp"
+        partial.write_text(resolv_conf_text(entry.gateway))
+        partial.chmod(0o644)
+        partial.replace(path)
+        return path
+
+    def forget_resolv_conf(self, name: str) -> None:
+        for leftover in ("resolv.conf", "resolv.conf.tmp"):
+            (self.dns_dir / name / leftover).unlink(missing_ok=True)
+        try:
+            (self.dns_dir / name).rmdir()
+        except OSError:
+            pass
+
     async def add_crew(self, entry: CrewEntry) -> None:
         listener = self.bind(entry.gateway)
         dns = self.bind_dns(entry.gateway) if self.dns else None
@@ -574,6 +601,7 @@ class ProxyPool:
             self.leaves_sent.pop(name, None)
             listener = self.listeners.pop(name, None)
             dns = self.dns_sockets.pop(name, ())
+            self.forget_resolv_conf(name)
             try:
                 if any(w.client is not None for w in self.workers):
                     reply = await self._broadcast(control.CrewRemove(name=name))
@@ -697,6 +725,12 @@ class ProxyPool:
             return (await self._request(control.Ping())).ok
         except Unavailable:
             return False
+
+
+def resolv_conf_text(gateway: str) -> str:
+    """A crew's resolv.conf: its own DNS only. ndots:1 so that a bare name is asked as is
+    first; a short timeout and two attempts, since the answer comes from the same host."""
+    return f"nameserver {gateway}\noptions ndots:1 timeout:2 attempts:2\n"
 
 
 def _crew_add(entry: CrewEntry, *, dns: bool = False) -> control.CrewAdd:
