@@ -63,6 +63,10 @@ class NetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A crew's TCP to these ports, anywhere but its own allow rules and the pool, is redirected
     # to the proxy on its gateway (the first of `proxy_ports`); () turns capture off.
     capture_ports: tuple[Port, ...] = DEFAULT_CAPTURE_PORTS
+    # Each crew resolves names through its own DNS responder on its gateway, port 53 (UDP and
+    # TCP), served by the proxy workers: the crew's filter lets that in, and applianced binds
+    # the port and points the crew's /etc/resolv.conf at it (docs/proxy.md "DNS").
+    dns: bool = True
     # Log dropped packets to the kernel log with a prefix naming the crew, rate limited.
     log_drops: bool = False
     log_rate_per_minute: Annotated[int, msgspec.Meta(ge=1, le=600)] = 6

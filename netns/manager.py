@@ -279,6 +279,7 @@ class CrewNetworks:
                 log_drops=config.log_drops,
                 log_rate_per_minute=config.log_rate_per_minute,
                 capture_ports=tuple(config.capture_ports),
+                dns=config.dns,
                 claim=f"instance={instance} owner={self.owner}" if instance else "",
             )
             # A backend made here is closed here; one passed in belongs to the caller.

@@ -144,6 +144,10 @@ LOCAL_ROLE = "foreign-local"
 # (2: the pool refused to everything but the crews' own interfaces; 3: address rules, their
 # sets, the forward dispatch and the masquerade; 4: transparent capture).
 LAYOUT_VERSION = 4
+# The port of a crew's DNS on its gateway (NetConfig.dns). Its rule is one more in the crew's
+# chain: reconciliation compares a chain's comments, so adding or removing it rebuilds the chain
+# without a new layout version.
+DNS_PORT = 53
 
 
 class NftBackend(Protocol):
@@ -375,6 +379,8 @@ class Layout:
     log_rate_per_minute: int = 6
     # TCP ports captured to the proxy (NetConfig.capture_ports); () for none.
     capture_ports: tuple[int, ...] = ()
+    # The crew's DNS on its gateway, port 53 (NetConfig.dns).
+    dns: bool = False
     # Written into the dispatch rule's comment ("instance=<id> owner=<token>"): whose table
     # this is, read back by `table_claim` (nftables 1.0.6 neither writes nor reads a table's
     # own comment through JSON, rule comments it does).
@@ -555,8 +561,27 @@ class Layout:
             plan.crew,
         )
         lookup = {"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}
-        rules = [
-            allow,
+        rules = [allow]
+        if self.dns:
+            # The crew's DNS responder (served by the proxy workers on its gateway), UDP and
+            # TCP, as for the proxy's port: only from the crew's own address, and only what the
+            # crew opens (no "related": it has no use for ICMP errors to its resolver).
+            rules.append(
+                RuleSpec(
+                    "dns",
+                    (
+                        _match(_payload("ip", "saddr"), plan.address),
+                        _match(_payload("ip", "daddr"), plan.gateway),
+                        _match(_meta("l4proto"), {"set": ["tcp", "udp"]}),
+                        _match(_payload("th", "dport"), DNS_PORT),
+                        _in(_ct("state"), ["new", "established"]),
+                        {"counter": None},
+                        {"accept": None},
+                    ),
+                    plan.crew,
+                )
+            )
+        rules += [
             # No crew reaches another crew or its gateway, whatever its rules say (they are
             # refused at input too: netrules.parse_rules).
             RuleSpec("to-pool", (self._pool_match(), {"counter": None}, {"drop": None}), plan.crew),

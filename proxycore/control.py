@@ -61,6 +61,11 @@ class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields
     same `sendmsg` as the line), bound by the privileged side on the crew's gateway: the proxy
     accepts on it and never binds anything itself. Without it, the crew's gateway must already
     be served by a listener the proxy has (`listen.addresses`).
+
+    With `dns` true, two more sockets follow the listener's, in this order: a UDP socket and a
+    listening TCP socket, both bound by the privileged side on the crew's gateway, port 53. The
+    worker serves the crew's DNS responder on them (proxycore/io/dns_server.py) until the crew
+    is removed.
     """
 
     name: str
@@ -74,6 +79,12 @@ class CrewAdd(msgspec.Struct, frozen=True, tag="crew_add", forbid_unknown_fields
     rules: tuple[RuleConfig, ...] = ()
     # Address rules (`CrewConfig.net`).
     net: tuple[str, ...] = ()
+    dns: bool = False
+
+    @property
+    def descriptors(self) -> int:
+        """How many descriptors travel with this message (SCM_RIGHTS)."""
+        return int(self.listener) + 2 * int(self.dns)
 
 
 class CrewRemove(msgspec.Struct, frozen=True, tag="crew_remove", forbid_unknown_fields=True):

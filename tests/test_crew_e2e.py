@@ -496,6 +496,60 @@ def test_a_tool_that_ignores_the_proxy_is_captured_and_injected(world: World, ru
     assert [(entry["host"], entry["port"]) for entry in opened] == [(PROVIDER_HOST, 443)], opened
 
 
+# A TXT query built by hand (the agent image has python3, no dig): prints the answer's rcode.
+_TXT_QUERY = """
+import socket, struct
+name = b"".join(bytes([len(p)]) + p for p in b"%s".split(b".")) + b"\\0"
+query = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + name + struct.pack(">HH", 16, 1)
+server = open("/etc/resolv.conf").read().split("nameserver", 1)[1].split()[0]
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.settimeout(5)
+sock.sendto(query, (server, 53))
+print("rcode", sock.recv(512)[3] & 0x0F)
+"""
+
+
+def test_crew_resolves_through_its_own_dns(world: World, runtime: str) -> None:
+    """The crew's /etc/resolv.conf names its gateway, where the proxy workers serve its DNS
+    responder: an allowed name resolves to the address the proxy's resolve table has (so a tool
+    with no proxy settings reaches it, captured and injected), a name not allowed is NXDOMAIN, a
+    TXT query is REFUSED, and the refusals are journaled as dns.refused."""
+    crew = world.crews[runtime]
+    gateway = world.gateways[runtime]
+    before = len(_journal(world.app, crew, "dns.refused"))
+    conf = world.run(runtime, "cat", "/etc/resolv.conf")
+    assert conf.stdout.split() == ["nameserver", gateway, "options", "ndots:1", "timeout:2",
+                                   "attempts:2"], conf  # fmt: skip
+    allowed = world.run(runtime, "getent", "hosts", PROVIDER_HOST)
+    assert allowed.returncode == 0 and allowed.stdout.split()[0] == world.upstream.address, (
+        allowed, world.app.log_text()[-3000:],
+    )  # fmt: skip
+    denied = world.run(runtime, "getent", "hosts", "denied.test")
+    assert denied.returncode == 2 and not denied.stdout, denied  # 2: not found (NXDOMAIN)
+    txt = world.run(runtime, "python3", "-c", _TXT_QUERY % PROVIDER_HOST)
+    assert txt.stdout.split() == ["rcode", "5"], txt  # REFUSED
+    # A tool that ignores the proxy now finds the provider by name, and is captured.
+    world.fake.clear()
+    done = world.run(
+        runtime, "sh", "-c",
+        f"curl --noproxy '*' -fsS --max-time 30 -H 'x-api-key: {AGENT_DUMMY_KEY}' "
+        f"https://{PROVIDER_HOST}/v1/echo",
+    )  # fmt: skip
+    assert done.returncode == 0, (done, world.app.log_text()[-3000:])
+    (echoed,) = [r for r in world.fake.requests if r.route == "/v1/echo"]
+    _assert_injected(echoed, crew)
+    queries: list[tuple[str, str, str]] = []
+    for _ in range(50):
+        entries = _journal(world.app, crew, "dns.refused")[before:]
+        # [ts, name, qtype, rule, rcode, count]
+        queries = [(q[1], q[2], q[4]) for entry in entries for q in entry["queries"]]
+        if {("denied.test", "A", "NXDOMAIN"), (PROVIDER_HOST, "TXT", "REFUSED")} <= set(queries):
+            break
+        time.sleep(0.1)
+    assert ("denied.test", "A", "NXDOMAIN") in queries, queries
+    assert (PROVIDER_HOST, "TXT", "REFUSED") in queries, queries
+
+
 # --- 2. the real Claude Code CLI -----------------------------------------------------------------
 
 

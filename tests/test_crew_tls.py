@@ -142,7 +142,9 @@ class _Channel:
     def __init__(self) -> None:
         self.sent: list[control.ControlMessage] = []
 
-    async def request(self, message: control.ControlMessage, listener: object = None) -> object:
+    async def request(
+        self, message: control.ControlMessage, listener: object = None, fds: object = ()
+    ) -> object:
         self.sent.append(message)
         return control.ControlReply(ok=True, changed=True)
 

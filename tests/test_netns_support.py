@@ -375,6 +375,8 @@ class Lab:
             # Off unless a test turns it on (tests/test_netns_capture.py): the probes of the
             # other tests expect a crew's TCP to ports 80 and 443 to be dropped, not redirected.
             "capture_ports": (),
+            # Off too: the probes expect a crew's packets to its gateway's port 53 dropped.
+            "dns": False,
         }
         values.update(overrides)
         return NetConfig(**values)  # type: ignore[arg-type]

@@ -105,6 +105,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
 MODES = tuple(mode.value for mode in NetworkMode)
 # Tests: "STEP" or "CREW:STEP" -> SIGKILL the daemon right after that step.
 KILL_ENV = "APPLIANCED_TEST_KILL_AFTER_STEP"
+# Where a crew's own resolv.conf is mounted in its agent container (ProxyPool.resolv_conf).
+RESOLV_CONF = "/etc/resolv.conf"
 
 
 def kill_hook_from_env() -> StepHook | None:
@@ -485,6 +487,12 @@ class CrewManager:
             await self.proxy.remove_crew(name)
 
         await steps.run("add to proxy", add_to_proxy, remove_from_proxy)
+        if self.provider.isolated:
+            # The crew resolves through its own DNS on its gateway (docs/proxy.md "DNS"), if the
+            # proxy serves it one; without isolation there is no container to mount into.
+            resolv_conf = await trio.to_thread.run_sync(self.proxy.resolv_conf, name)
+            if resolv_conf is not None:
+                mounts = (*mounts, (str(resolv_conf), RESOLV_CONF, True))
         agent_spec = self._spec(row, env, mounts)
         # The infra's label names the slot (labels are immutable); the pod is the crew's.
         agent_pod = msgspec.structs.replace(pod, crew=name, runtime=row.runtime)

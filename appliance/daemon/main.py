@@ -270,6 +270,7 @@ class Daemon:
                 drop_to=(section.uid, section.gid) if os.geteuid() == 0 else None,
                 events_reader=recorder.ingest_proxy_channel,
                 on_exit=self._worker_exited,
+                dns=self.config.net_config().dns,
             )
             self.credentials_api = CredentialsApi(credentials, self.proxy)
             self.proxy.credentials_source = self.credentials_api.source

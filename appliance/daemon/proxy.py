@@ -17,6 +17,8 @@ serves anything; a worker whose drop falls short exits with status 1. It never b
 crew, applianced (root) binds one listening socket on the crew's gateway and sends it with
 `crew_add` to every worker (SCM_RIGHTS); the workers accept on the same socket, so the kernel
 hands each new connection to one of them, and a worker that dies leaves the others serving.
+Likewise, with `dns` on, a UDP and a TCP socket on the crew's gateway, port 53, on which the
+workers serve the crew's DNS responder (if the port is taken, the crew gets no DNS from us).
 
 Every change of policy or credentials is broadcast to every worker under `self.lock`, and a
 worker that (re)starts is sent the whole current state under the same lock, so a worker never
@@ -77,6 +79,10 @@ STDERR_GRACE = 1.0
 # A worker that answers with one of these is out of step with the others (or hostile): killed.
 _CHANNEL_ERRORS = (trio.TooSlowError, trio.BrokenResourceError, OSError, msgspec.DecodeError)
 REQUEST_TIMEOUT = 15.0
+# A crew's DNS (docs/proxy.md "DNS"): the port on its gateway, and the TCP backlog (DNS over
+# TCP is the rare fallback for a truncated answer, and ours are never truncated).
+DNS_PORT = 53
+DNS_BACKLOG = 16
 # What applianced does with a worker's events channel (the journal's ingest); returns at EOF.
 EventsReader = Callable[[trio.SocketStream, int], Awaitable[None]]
 DEFAULT_RESTART_POLICY = RestartPolicy()
@@ -177,8 +183,10 @@ class ProxyPool:
         python: str | None = None,
         env: Mapping[str, str] | None = None,
         command: Sequence[str] | None = None,
+        dns: bool = False,
     ) -> None:
         self.config_path = state_dir / "proxy.json"
+        self.dns_dir = state_dir / "crew-dns"
         self.config = config
         self.port = port
         self.drop_to = drop_to
@@ -193,6 +201,10 @@ class ProxyPool:
         self.workers = [_Worker(index) for index in range(workers)]
         self.crews: dict[str, CrewEntry] = {}
         self.listeners: dict[str, socket.socket] = {}
+        # Each crew's DNS sockets (UDP, TCP) on its gateway, port 53, when `dns` is on and the
+        # port was free: sent with its crew_add like its listener (docs/proxy.md "DNS").
+        self.dns = dns
+        self.dns_sockets: dict[str, tuple[socket.socket, socket.socket]] = {}
         # Held by every change of the workers' state and by a worker's restore (see above).
         self.lock = trio.Lock()
         self.restarts = 0  # every worker's exits, summed
@@ -403,7 +415,10 @@ class ProxyPool:
         if self.audit_paused:
             await client.request(control.AuditPaused(paused=True))
         for entry in list(self.crews.values()):
-            reply = await client.request(_crew_add(entry), listener=self.listeners[entry.name])
+            dns = self.dns_sockets.get(entry.name, ())
+            reply = await client.request(
+                _crew_add(entry, dns=bool(dns)), listener=self.listeners[entry.name], fds=dns
+            )
             if not reply.ok:
                 log.error("proxy refused crew %s on restore: %s", entry.name, reply.error)
                 continue
@@ -439,6 +454,7 @@ class ProxyPool:
         message: control.ControlMessage,
         listener: socket.socket | None = None,
         *,
+        fds: Sequence[socket.socket] = (),
         timeout: float = REQUEST_TIMEOUT,
         killed: list[int] | None = None,
     ) -> control.ControlReply:
@@ -456,7 +472,7 @@ class ProxyPool:
         async def one(worker: _Worker, client: ChannelClient) -> None:
             try:
                 with trio.fail_after(timeout):
-                    replies.append(await client.request(message, listener=listener))
+                    replies.append(await client.request(message, listener=listener, fds=fds))
             except _CHANNEL_ERRORS as exc:
                 # Its state may now differ from the others' (and a late answer would be read
                 # as the answer to the next request): it restarts with the whole state.
@@ -499,13 +515,69 @@ class ProxyPool:
             raise Unavailable(f"cannot listen on {gateway}:{self.port}: {exc.strerror}") from None
         return sock
 
+    def bind_dns(self, gateway: str) -> tuple[socket.socket, socket.socket] | None:
+        """A UDP socket and a listening TCP socket on the crew's gateway, port 53 (root binds;
+        the workers serve the crew's DNS responder on them), or None if the port is taken: the
+        crew then has no DNS from us, as before, and a warning names the gateway."""
+        family = socket.AF_INET6 if ":" in gateway else socket.AF_INET
+        udp = socket.socket(family, socket.SOCK_DGRAM)
+        tcp = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            udp.bind((gateway, DNS_PORT))
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind((gateway, DNS_PORT))
+            tcp.listen(DNS_BACKLOG)
+        except OSError as exc:
+            udp.close()
+            tcp.close()
+            log.warning(
+                "cannot serve DNS on %s:%d (%s): another DNS server may own it; the crew gets "
+                "no DNS from the appliance",
+                gateway,
+                DNS_PORT,
+                exc.strerror or exc,
+            )
+            return None
+        return udp, tcp
+
+    def resolv_conf(self, name: str) -> Path | None:
+        """The crew's resolv.conf, naming its own DNS on its gateway, written now; None if the
+        crew has no DNS from us (off, or the port was taken: its container keeps the engine's).
+        The crew's container gets it read-only at /etc/resolv.conf (crews.py)."""
+        entry = self.crews.get(name)
+        if entry is None or name not in self.dns_sockets:
+            return None
+        directory = self.dns_dir / name
+        directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        path = directory / "resolv.conf"
+        # Readable by the crew's unprivileged user in its container; written whole (a crew
+        # re-created on a new gateway gets a new file, never half of one).
+        partial = directory / "resolv.conf.tmp"
+        partial.write_text(resolv_conf_text(entry.gateway))
+        partial.chmod(0o644)
+        partial.replace(path)
+        return path
+
+    def forget_resolv_conf(self, name: str) -> None:
+        for leftover in ("resolv.conf", "resolv.conf.tmp"):
+            (self.dns_dir / name / leftover).unlink(missing_ok=True)
+        try:
+            (self.dns_dir / name).rmdir()
+        except OSError:
+            pass
+
     async def add_crew(self, entry: CrewEntry) -> None:
         listener = self.bind(entry.gateway)
+        dns = self.bind_dns(entry.gateway) if self.dns else None
         try:
             async with self.lock:
                 self.listeners[entry.name] = listener
+                if dns is not None:
+                    self.dns_sockets[entry.name] = dns
                 self.crews[entry.name] = entry
-                reply = await self._broadcast(_crew_add(entry), listener)
+                reply = await self._broadcast(
+                    _crew_add(entry, dns=dns is not None), listener, fds=dns or ()
+                )
                 if reply.ok:
                     leaves = self._leaves(entry, strict=True)
                     if leaves is not None:
@@ -528,6 +600,8 @@ class ProxyPool:
             self.crews.pop(name, None)
             self.leaves_sent.pop(name, None)
             listener = self.listeners.pop(name, None)
+            dns = self.dns_sockets.pop(name, ())
+            self.forget_resolv_conf(name)
             try:
                 if any(w.client is not None for w in self.workers):
                     reply = await self._broadcast(control.CrewRemove(name=name))
@@ -538,6 +612,8 @@ class ProxyPool:
             finally:
                 if listener is not None:
                     listener.close()
+                for sock in dns:
+                    sock.close()
 
     async def allow(self, name: str, host: str) -> bool:
         async with self.lock:
@@ -651,7 +727,13 @@ class ProxyPool:
             return False
 
 
-def _crew_add(entry: CrewEntry) -> control.CrewAdd:
+def resolv_conf_text(gateway: str) -> str:
+    """A crew's resolv.conf: its own DNS only. ndots:1 so that a bare name is asked as is
+    first; a short timeout and two attempts, since the answer comes from the same host."""
+    return f"nameserver {gateway}\noptions ndots:1 timeout:2 attempts:2\n"
+
+
+def _crew_add(entry: CrewEntry, *, dns: bool = False) -> control.CrewAdd:
     return control.CrewAdd(
         name=entry.name,
         gateway=entry.gateway,
@@ -661,6 +743,7 @@ def _crew_add(entry: CrewEntry) -> control.CrewAdd:
         ssrf_allow=entry.ssrf_allow,
         rules=entry.rules,
         net=entry.net,
+        dns=dns,
     )
 
 

@@ -227,6 +227,39 @@ class ProxyError(Entry, frozen=True, tag="proxy.error"):
         return _requests_summary("error", self.requests)
 
 
+class RefusedQuery(msgspec.Struct, frozen=True, array_like=True):
+    """One refusal in a `dns.refused` entry, as a JSON array in this field order: the name and
+    type the crew asked, why, what it was answered ("DROP": nothing), and how many queries."""
+
+    ts: float
+    name: str
+    qtype: str
+    rule: str
+    rcode: str
+    count: int = 1
+
+
+class DnsRefused(Entry, frozen=True, tag="dns.refused"):
+    """Queries a crew's DNS responder refused or failed, from one batch of a worker's events
+    (one entry per batch and crew, as `proxy.deny`)."""
+
+    queries: tuple[RefusedQuery, ...]
+
+    def summary(self) -> str:
+        if len(self.queries) == 1:
+            (one,) = self.queries
+            times = f" x{one.count}" if one.count > 1 else ""
+            return f"dns refused {one.qtype} {one.name} ({one.rule}) -> {one.rcode}{times}"
+        counts: dict[str, int] = {}
+        for query in self.queries:
+            key = f"{query.qtype} {query.name} ({query.rule})"
+            counts[key] = counts.get(key, 0) + query.count
+        top = sorted(counts.items(), key=lambda item: -item[1])
+        listed = ", ".join(f"{key} x{count}" for key, count in top[:3])
+        more = f", {len(top) - 3} more" if len(top) > 3 else ""
+        return f"dns refused {sum(counts.values())} queries: {listed}{more}"
+
+
 class CredentialInjected(Entry, frozen=True, tag="credential.injected"):
     provider: str
     host: str
@@ -490,6 +523,7 @@ AnyEntry = (
     | ProxyDeny
     | ProxyRefuse
     | ProxyError
+    | DnsRefused
     | CredentialInjected
     | TunnelOpened
     | TunnelClosed
@@ -521,6 +555,7 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         RunTimeout,
         ProxyAllow,
         ProxyDeny,
+        DnsRefused,
         CredentialInjected,
         TunnelOpened,
         TunnelClosed,

@@ -98,6 +98,8 @@ def from_proxy_event(event: pe.AnyEvent) -> E.Entry:
             action=event.action, credential=event.credential, decision="deny",
             reason=f"refused by the proxy: {event.rule}", **common,
         )  # fmt: skip
+    if isinstance(event, pe.DnsRefused):
+        return E.DnsRefused(queries=(_query(event),), **common)
     assert isinstance(event, pe.EventsDropped)
     return E.ProxyNotice(message="the proxy dropped events", dropped=event.count, **common)
 
@@ -133,13 +135,24 @@ def _denied(event: pe.RequestDenied) -> E.DeniedRequest:
     )
 
 
-_GROUPED = (pe.RequestAllowed, pe.RequestDenied, pe.RequestRefused, pe.RequestErrored)
+def _query(event: pe.DnsRefused) -> E.RefusedQuery:
+    return E.RefusedQuery(event.ts, event.name, event.qtype, event.rule, event.rcode, event.count)
+
+
+_GROUPED = (
+    pe.RequestAllowed,
+    pe.RequestDenied,
+    pe.RequestRefused,
+    pe.RequestErrored,
+    pe.DnsRefused,
+)
 
 
 def entries_for_batch(events: list[pe.AnyEvent | None]) -> list[E.Entry]:
     """The journal entries for one batch of a worker's events, in order. A request's terminal
     events (allowed, denied, refused, errored) are grouped per kind and (crew, mode) into one
-    `proxy.allow` / `proxy.deny` / `proxy.refuse` / `proxy.error` entry each, which takes the
+    `proxy.allow` / `proxy.deny` / `proxy.refuse` / `proxy.error` entry each, and a crew's DNS
+    refusals into one `dns.refused` entry, which takes the
     place of the group's first request (so a proxy under load writes a few entries per batch,
     not one per request); every other event is an entry of its own. None stands for a line that
     did not decode: a `proxy.notice` saying so."""
@@ -147,7 +160,7 @@ def entries_for_batch(events: list[pe.AnyEvent | None]) -> list[E.Entry]:
     groups: dict[tuple[type, str, str], tuple[int, list[Any]]] = {}
     for event in events:
         if isinstance(event, _GROUPED):
-            mode = "" if isinstance(event, pe.RequestErrored) else event.mode
+            mode = "" if isinstance(event, pe.RequestErrored | pe.DnsRefused) else event.mode
             key = (type(event), event.crew, mode)
             group = groups.get(key)
             if group is None:
@@ -173,6 +186,8 @@ def entries_for_batch(events: list[pe.AnyEvent | None]) -> list[E.Entry]:
             out[index] = E.ProxyRefuse(
                 mode=mode, requests=tuple(_refused(m) for m in members), **scope
             )
+        elif kind is pe.DnsRefused:
+            out[index] = E.DnsRefused(queries=tuple(_query(m) for m in members), **scope)
         else:
             out[index] = E.ProxyError(requests=tuple(_errored(m) for m in members), **scope)
     return [entry for entry in out if entry is not None]

@@ -12,7 +12,7 @@ import os
 import socket
 import stat
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import msgspec
 import trio
@@ -20,14 +20,15 @@ import trio
 from proxycore import control
 
 Handler = Callable[[control.ControlMessage], Awaitable[control.ControlReply]]
-# A handler for the parent's channel: the second argument is the listening socket that came with
-# the message (`CrewAdd.listener`), or None; the handler owns it from then on.
+# A handler for the parent's channel: the second argument is the sockets that came with the
+# message (`CrewAdd.listener`, then `CrewAdd.dns`'s UDP and TCP sockets), or (); the handler owns
+# them from then on.
 ChannelHandler = Callable[
-    [control.ControlMessage, socket.socket | None], Awaitable[control.ControlReply]
+    [control.ControlMessage, tuple[socket.socket, ...]], Awaitable[control.ControlReply]
 ]
 MAX_LINE = 1 << 20
 IDLE_SECONDS = 300.0
-# Descriptors accepted per read; the sender passes one per message.
+# Descriptors accepted per read; the sender passes at most three per message (`CrewAdd`).
 MAX_FDS_PER_READ = 8
 
 
@@ -54,7 +55,8 @@ async def serve_control_channel(sock: trio.socket.SocketType, handler: ChannelHa
     when the parent closes it.
 
     Like `serve_control_stream`, plus descriptors passed with SCM_RIGHTS: they are queued in the
-    order they arrive, and a message that announces one (`CrewAdd.listener`) takes the oldest.
+    order they arrive, and a message that announces some (`CrewAdd.listener`, `CrewAdd.dns`)
+    takes the oldest, as many as it announces.
     The kernel delivers a descriptor with the first byte of the `sendmsg` that carried it, and
     the sender puts a message and its descriptor in one `sendmsg`, so the descriptor is queued
     before its line is complete. If descriptors were truncated (MSG_CTRUNC) the pairing can no
@@ -82,16 +84,20 @@ async def serve_control_channel(sock: trio.socket.SocketType, handler: ChannelHa
                 if isinstance(message, control.ControlReply):
                     reply = message
                 else:
-                    listener = None
-                    if isinstance(message, control.CrewAdd) and message.listener:
-                        listener = fds.popleft() if fds else None
-                        if listener is None:
+                    passed: tuple[socket.socket, ...] = ()
+                    if isinstance(message, control.CrewAdd) and message.descriptors:
+                        wanted = message.descriptors
+                        if len(fds) < wanted:
+                            # Fewer than announced: the pairing is off; none of them is used.
+                            while fds:
+                                fds.popleft().close()
                             reply = control.ControlReply(
                                 ok=False, error="crew_add: no listening socket came with it"
                             )
                             await _send_all(sock, control.encoder.encode(reply) + b"\n")
                             continue
-                    reply = await handler(message, listener)
+                        passed = tuple(fds.popleft() for _ in range(wanted))
+                    reply = await handler(message, passed)
                 await _send_all(sock, control.encoder.encode(reply) + b"\n")
     finally:
         for fd in fds:
@@ -121,7 +127,7 @@ async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
 
 class ChannelClient:
     """The parent's end of a proxy's control socketpair: one request at a time, optionally with
-    a listening socket passed along (SCM_RIGHTS)."""
+    sockets passed along (SCM_RIGHTS): `listener`, then `fds`, in that order."""
 
     def __init__(self, sock: trio.socket.SocketType) -> None:
         self.sock = sock
@@ -129,14 +135,19 @@ class ChannelClient:
         self.buffer = bytearray()
 
     async def request(
-        self, message: control.ControlMessage, *, listener: socket.socket | None = None
+        self,
+        message: control.ControlMessage,
+        *,
+        listener: socket.socket | None = None,
+        fds: Sequence[socket.socket] = (),
     ) -> control.ControlReply:
         data = control.encoder.encode(message) + b"\n"
+        passed = [*([] if listener is None else [listener]), *fds]
         async with self.lock:
-            if listener is not None:
-                fds = array.array("i", [listener.fileno()])
+            if passed:
+                numbers = array.array("i", [s.fileno() for s in passed])
                 sent = await self.sock.sendmsg(
-                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())]
+                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, numbers.tobytes())]
                 )
                 data = data[sent:]
             await _send_all(self.sock, data)

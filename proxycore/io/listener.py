@@ -22,6 +22,7 @@ import os
 import resource
 import socket
 import time
+from collections.abc import Sequence
 
 import trio
 
@@ -30,13 +31,16 @@ from proxycore.config import ProxyConfig
 from proxycore.errors import ProxyError
 from proxycore.io.connection import ClientConnection
 from proxycore.io.control_server import serve_control_channel, serve_control_socket
+from proxycore.io.dns_server import DnsServer, proxy_resolve
 from proxycore.io.fastio import LINGER_SECONDS, PlainStream, lingering_close
 from proxycore.io.sinks import BatchingSink, EventSink
 from proxycore.io.transparent import original_destination
-from proxycore.protocol.events import RequestRefused
+from proxycore.protocol.dns_responder import DnsRefusal, DnsResponder
+from proxycore.protocol.events import DnsRefused, RequestRefused
 from proxycore.protocol.refusals import Refusal, refusal
 from proxycore.protocol.scrubbing import scrub_json_lines
-from proxycore.runtime import ProxyRuntime
+from proxycore.protocol.ssrf import AddressGuard
+from proxycore.runtime import CrewState, ProxyRuntime
 
 log = logging.getLogger("proxycore")
 
@@ -280,34 +284,94 @@ async def _serve_control_channel(
     channel: trio.SocketStream,
     nursery: trio.Nursery,
 ) -> None:
-    """A child of applianced or of the worker supervisor: control messages (and the listening
-    sockets of crews added at run time) arrive over a socketpair. When the parent is gone, the
-    worker stops rather than serve a policy nobody can change (fail closed)."""
-    listeners_by_crew: dict[str, trio.CancelScope] = {}
+    """A child of applianced or of the worker supervisor: control messages (and the sockets of
+    crews added at run time: a listening socket, and the crew's DNS sockets) arrive over a
+    socketpair. When the parent is gone, the worker stops rather than serve a policy nobody can
+    change (fail closed)."""
+    scopes_by_crew: dict[str, list[trio.CancelScope]] = {}
 
     async def handler(
-        message: control.ControlMessage, listener: socket.socket | None
+        message: control.ControlMessage, passed: tuple[socket.socket, ...]
     ) -> control.ControlReply:
-        if listener is not None and not isinstance(message, control.CrewAdd):
-            listener.close()
-            listener = None
+        if passed and not isinstance(message, control.CrewAdd):
+            for sock in passed:
+                sock.close()
+            passed = ()
         reply = runtime.handle_control(message)
         if isinstance(message, control.CrewRemove):
-            scope = listeners_by_crew.pop(message.name, None)
-            if scope is not None:
+            for scope in scopes_by_crew.pop(message.name, ()):
                 scope.cancel()
-        elif isinstance(message, control.CrewAdd) and listener is not None:
-            if reply.ok:
-                scope = await nursery.start(_serve_listener, listener, acceptor, nursery)
-                listeners_by_crew[message.name] = scope
-            else:
-                listener.close()
+        elif isinstance(message, control.CrewAdd) and passed:
+            if not reply.ok:
+                for sock in passed:
+                    sock.close()
+                return reply
+            rest = list(passed)
+            scopes = scopes_by_crew.setdefault(message.name, [])
+            if message.listener:
+                scopes.append(await nursery.start(_serve_listener, rest.pop(0), acceptor, nursery))
+            if message.dns:
+                udp, tcp = rest
+                crew = runtime.crew_named(message.name)
+                assert crew is not None  # just added, no await since
+                scopes.append(await nursery.start(_serve_dns, runtime, crew, udp, tcp))
         return reply
 
     await serve_control_channel(channel.socket, handler)
     # applianced closed it: it is stopping, or it stopped this worker (an expected end).
     log.info("control channel closed; stopping")
     nursery.cancel_scope.cancel()
+
+
+async def _serve_dns(
+    runtime: ProxyRuntime,
+    crew: CrewState,
+    udp: socket.socket,
+    tcp: socket.socket,
+    *,
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the crew's DNS responder on the sockets applianced bound on its gateway, port 53,
+    until the scope is cancelled (the crew removed, the worker stopping); the sockets close.
+
+    The responder decides with the crew's own `CrewPolicy` object, so `crew allow`, approvals
+    and address rules apply to its next query; it resolves with the proxy's resolver (the same
+    split-horizon table and nameservers as the proxy's connections) under the crew's lookup
+    limiter. `before_answer` does nothing: an answer opens nothing in the kernel (docs/proxy.md
+    "DNS"). Every refusal is a `dns_refused` event."""
+    dialer = runtime.dialer
+    # The appliance-wide SSRF exceptions and the crew's own: the addresses the proxy would dial
+    # for this crew (its address rules still decide each connection).
+    ranges = crew.guard.ranges if crew.guard is not None else None
+    guard = AddressGuard(
+        (*dialer.guard.allowed_ranges, *(ranges.allowed_ranges if ranges is not None else ()))
+    )
+    sink = runtime.sink
+
+    def journal(refusal: DnsRefusal) -> None:
+        sink.emit(
+            DnsRefused(
+                crew=refusal.crew,
+                name=refusal.name,
+                qtype=refusal.qtype,
+                rule=refusal.rule,
+                rcode=refusal.rcode,
+                count=refusal.count,
+            )
+        )
+
+    async def before_answer(crew: str, addresses: Sequence[str], ttl: int) -> None:
+        return None
+
+    server = DnsServer(
+        DnsResponder(crew.policy, guard=guard),
+        resolve=proxy_resolve(dialer.resolver, crew.lookups),
+        before_answer=before_answer,
+        journal=journal,
+    )
+    with udp, tcp, trio.CancelScope() as scope:
+        task_status.started(scope)
+        await server.serve(udp, tcp)
 
 
 async def _serve_listener(

@@ -140,6 +140,19 @@ class KeeperCallRefused(Event, frozen=True, tag="keeper_call_refused"):
     rule: str
 
 
+class DnsRefused(Event, frozen=True, tag="dns_refused"):
+    """The crew's DNS responder refused a query, or failed it (proxycore/protocol/dns_responder.py
+    `DnsRefusal`): `name` and `qtype` as the crew asked (printable, truncated), `rule` why,
+    `rcode` what it answered ("DROP": nothing), `count` how many queries this stands for (more
+    than one for queries dropped over the crew's rate, reported once a second)."""
+
+    name: str
+    qtype: str
+    rule: str
+    rcode: str
+    count: int = 1
+
+
 AnyEvent = (
     RequestAllowed
     | RequestDenied
@@ -152,6 +165,7 @@ AnyEvent = (
     | PolicyWarning
     | EventsDropped
     | KeeperCallRefused
+    | DnsRefused
 )
 
 

@@ -1,0 +1,187 @@
+"""A crew's DNS served by a real worker process: applianced's side of `crew_add` (a listening
+socket, then the crew's UDP and TCP DNS sockets, SCM_RIGHTS) over the control socketpair; the
+answers follow the crew's own policy object; refusals are `dns_refused` events; `crew_remove`
+closes the sockets."""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import msgspec
+
+from appliance.demo_upstream import FakeServer
+from proxycore import control
+from proxycore.protocol.events import DnsRefused, decode_events
+from tests.conftest import free_port, proxy_env, write_proxy_config
+
+GATEWAY = "127.0.0.41"
+
+
+def request(channel: socket.socket, message: object, fds: list[socket.socket]) -> dict:
+    data = msgspec.json.encode(message) + b"\n"
+    if fds:
+        numbers = array.array("i", [s.fileno() for s in fds]).tobytes()
+        channel.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, numbers)])
+    else:
+        channel.sendall(data)
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = channel.recv(65536)
+        assert chunk, "the proxy closed its channel"
+        reply += chunk
+    return dict(json.loads(reply))
+
+
+def ask_udp(port: int, name: str, qtype: str) -> dns.message.Message:
+    query = dns.message.make_query(name, qtype)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        sock.sendto(query.to_wire(), (GATEWAY, port))
+        return dns.message.from_wire(sock.recv(4096))
+
+
+def ask_tcp(port: int, name: str, qtype: str) -> dns.message.Message:
+    wire = dns.message.make_query(name, qtype).to_wire()
+    with socket.create_connection((GATEWAY, port), timeout=5) as sock:
+        sock.sendall(struct.pack(">H", len(wire)) + wire)
+        data = b""
+        while len(data) < 2 or len(data) < 2 + struct.unpack(">H", data[:2])[0]:
+            chunk = sock.recv(4096)
+            assert chunk
+            data += chunk
+    return dns.message.from_wire(data[2:])
+
+
+def addresses(answer: dns.message.Message) -> set[str]:
+    return {item.to_text() for rrset in answer.answer for item in rrset}
+
+
+def test_crew_dns_served_by_the_worker(tmp_path: Path, provider: FakeServer, ca_file: str) -> None:
+    port = free_port()
+    config, events, _ = write_proxy_config(
+        tmp_path, port=port, provider_port=provider.port, ca_file=ca_file, gateway="127.0.0.40"
+    )
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxycore.worker", "--config", str(config),
+         "--control-fd", str(theirs.fileno())],
+        env=proxy_env(),
+        pass_fds=[theirs.fileno()],
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    theirs.close()
+    dns_port = free_port()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((GATEWAY, port))
+    listener.listen(8)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind((GATEWAY, dns_port))
+    tcp = socket.socket()
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind((GATEWAY, dns_port))
+    tcp.listen(8)
+    try:
+        ours.settimeout(10)
+        # A message that announces DNS sockets and brings fewer is refused.
+        short = request(
+            ours, control.CrewAdd(name="alpha", gateway=GATEWAY, listener=True, dns=True),
+            [listener],
+        )  # fmt: skip
+        assert not short["ok"] and "no listening socket" in short["error"]
+        added = control.CrewAdd(
+            name="alpha", gateway=GATEWAY, mode="restricted", listener=True, dns=True,
+            ssrf_allow=("127.0.0.0/8",),
+        )  # fmt: skip
+        assert request(ours, added, [listener, udp, tcp]) == {"ok": True, "changed": True}
+        for sock in (listener, udp, tcp):
+            sock.close()  # the worker holds its own copies now
+
+        # A provider host is in every crew's allowlist: its address from the proxy's own
+        # resolve table, over UDP and TCP.
+        host = "api.anthropic.test"
+        assert addresses(ask_udp(dns_port, host, "A")) == {"127.0.0.1"}
+        assert addresses(ask_tcp(dns_port, host, "A")) == {"127.0.0.1"}
+        # Not allowed: NXDOMAIN; TXT: REFUSED.
+        assert ask_udp(dns_port, "plain.test", "A").rcode() == dns.rcode.NXDOMAIN
+        assert ask_udp(dns_port, host, "TXT").rcode() == dns.rcode.REFUSED
+        # The crew's own policy object: an allow at run time holds for the next query.
+        assert request(ours, control.AllowHost(crew="alpha", host="plain.test"), []) == {
+            "ok": True, "changed": True,
+        }  # fmt: skip
+        assert addresses(ask_udp(dns_port, "plain.test", "A")) == {"127.0.0.1"}
+
+        # The refusals are events, for the journal.
+        deadline = time.monotonic() + 5
+        refused: list[DnsRefused] = []
+        while time.monotonic() < deadline and len(refused) < 2:
+            time.sleep(0.05)
+            if events.exists():
+                decoded = decode_events(events.read_bytes())
+                refused = [e for e in decoded if isinstance(e, DnsRefused)]
+        assert {(e.crew, e.name, e.qtype, e.rcode) for e in refused} == {
+            ("alpha", "plain.test", "A", "NXDOMAIN"),
+            ("alpha", host, "TXT", "REFUSED"),
+        }
+
+        # Removed: the sockets close (TCP refused, UDP unanswered), and the port is free.
+        assert request(ours, control.CrewRemove(name="alpha"), []) == {"ok": True, "changed": True}
+        # (The worker replies as it cancels the task; the sockets close a moment later.)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                ask_tcp(dns_port, host, "A")
+            except ConnectionRefusedError:
+                break
+            except ConnectionResetError:
+                pass  # accepted into the backlog just before the close
+            assert time.monotonic() < deadline, "the crew's DNS still answers over TCP"
+            time.sleep(0.05)
+        again = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        again.bind((GATEWAY, dns_port))
+        again.close()
+    finally:
+        ours.close()
+        deadline = time.monotonic() + 10
+        while process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        assert process.stderr is not None
+        stderr = process.stderr.read().decode()
+    assert "Traceback" not in stderr, stderr
+
+
+def test_dns_refusals_are_journaled_one_entry_per_crew_and_batch() -> None:
+    from appliance.journal import entries as E
+    from appliance.journal.recorder import entries_for_batch
+    from proxycore.protocol.events import PolicyWarning
+
+    batch = [
+        DnsRefused(ts=1.0, crew="a", name="x.test", qtype="A", rule="not_allowed",
+                   rcode="NXDOMAIN"),
+        PolicyWarning(ts=1.5, crew="a", message="m"),
+        DnsRefused(ts=2.0, crew="b", name="y.test", qtype="TXT", rule="qtype", rcode="REFUSED"),
+        DnsRefused(ts=3.0, crew="a", name="", qtype="A", rule="rate_limited_queries",
+                   rcode="DROP", count=40),
+    ]  # fmt: skip
+    out = entries_for_batch(list(batch))
+    assert [type(e).__name__ for e in out] == ["DnsRefused", "ProxyNotice", "DnsRefused"]
+    first, _, second = out
+    assert isinstance(first, E.DnsRefused) and isinstance(second, E.DnsRefused)
+    assert first.crew == "a" and [q.name for q in first.queries] == ["x.test", ""]
+    assert first.queries[1].count == 40
+    assert "41 queries" in first.summary()
+    assert second.summary() == "dns refused TXT y.test (qtype) -> REFUSED"
+    assert E.decode(E.encode(first)) == first
