@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import array
 import json
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import dns.message
 import dns.rcode
 import dns.rdatatype
+import dns.rrset
 import msgspec
 
 from appliance.demo_upstream import FakeServer
@@ -66,15 +69,35 @@ def addresses(answer: dns.message.Message) -> set[str]:
     return {item.to_text() for rrset in answer.answer for item in rrset}
 
 
+EXAMPLE_RDATA = {
+    "TXT": '"hello"',
+    "MX": "10 mail.x.test.",
+    "HINFO": '"cpu" "os"',
+    "SRV": "0 5 5060 sip.x.test.",
+    "CAA": '0 issue "ca.test"',
+    "NAPTR": '100 10 "U" "E2U+sip" "!^.*$!sip:a@x.test!" .',
+    "SSHFP": "1 1 123456789abcdef67890123456789abcdef67890",
+    "TLSA": "3 1 1 0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+    "LOC": "52 22 23.000 N 4 53 32.000 E -2.00m 0.00m 10000m 10m",
+    "URI": '10 1 "https://x.test/"',
+}
+
+
 def test_crew_dns_served_by_the_worker(tmp_path: Path, provider: FakeServer, ca_file: str) -> None:
     port = free_port()
+    # The worker writes its events after its privilege drop: a directory it may write in.
+    shared = Path(tempfile.mkdtemp(prefix="apx-dns-worker-"))
+    shared.chmod(0o777)
     config, events, _ = write_proxy_config(
-        tmp_path, port=port, provider_port=provider.port, ca_file=ca_file, gateway="127.0.0.40"
+        shared, port=port, provider_port=provider.port, ca_file=ca_file, gateway="127.0.0.40"
     )
     ours, theirs = socket.socketpair()
     process = subprocess.Popen(
+        # Privileges dropped, as applianced runs it: every import after the drop is refused
+        # and named on stderr (proxycore/preload.py), so a record class dnspython would load
+        # late shows below.
         [sys.executable, "-m", "proxycore.worker", "--config", str(config),
-         "--control-fd", str(theirs.fileno())],
+         "--control-fd", str(theirs.fileno()), "--drop-to", "65534:65534"],
         env=proxy_env(),
         pass_fds=[theirs.fileno()],
         stderr=subprocess.PIPE,
@@ -115,6 +138,20 @@ def test_crew_dns_served_by_the_worker(tmp_path: Path, provider: FakeServer, ca_
         # Not allowed: NXDOMAIN; TXT: REFUSED.
         assert ask_udp(dns_port, "plain.test", "A").rcode() == dns.rcode.NXDOMAIN
         assert ask_udp(dns_port, host, "TXT").rcode() == dns.rcode.REFUSED
+        # A hostile query carrying records of every type dnspython knows in its additional
+        # section: answered (or refused) like any, and nothing imported after the drop.
+        hostile = dns.message.make_query(host, "A")
+        for kind in ("TXT", "MX", "HINFO", "SRV", "CAA", "NAPTR", "SSHFP", "TLSA", "LOC", "URI"):
+            record = dns.rrset.from_text(
+                "x.test.", 60, "IN", kind, EXAMPLE_RDATA.get(kind, "1 1 1")
+            )
+            hostile.additional.append(record)
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        probe.settimeout(5)
+        probe.sendto(hostile.to_wire(), (GATEWAY, dns_port))
+        reply = dns.message.from_wire(probe.recv(4096))
+        probe.close()
+        assert reply.rcode() in (dns.rcode.NOERROR, dns.rcode.FORMERR, dns.rcode.REFUSED)
         # The crew's own policy object: an allow at run time holds for the next query.
         assert request(ours, control.AllowHost(crew="alpha", host="plain.test"), []) == {
             "ok": True, "changed": True,
@@ -124,7 +161,7 @@ def test_crew_dns_served_by_the_worker(tmp_path: Path, provider: FakeServer, ca_
         # The refusals are events, for the journal.
         deadline = time.monotonic() + 5
         refused: list[DnsRefused] = []
-        while time.monotonic() < deadline and len(refused) < 2:
+        while time.monotonic() < deadline and len(refused) < 3:
             time.sleep(0.05)
             if events.exists():
                 decoded = decode_events(events.read_bytes())
@@ -132,6 +169,7 @@ def test_crew_dns_served_by_the_worker(tmp_path: Path, provider: FakeServer, ca_
         assert {(e.crew, e.name, e.qtype, e.rcode) for e in refused} == {
             ("alpha", "plain.test", "A", "NXDOMAIN"),
             ("alpha", host, "TXT", "REFUSED"),
+            ("alpha", "", "", "FORMERR"),  # the hostile query: records where a query has none
         }
 
         # Removed: the sockets close (TCP refused, UDP unanswered), and the port is free.
@@ -160,7 +198,9 @@ def test_crew_dns_served_by_the_worker(tmp_path: Path, provider: FakeServer, ca_
         process.wait()
         assert process.stderr is not None
         stderr = process.stderr.read().decode()
+        shutil.rmtree(shared, ignore_errors=True)
     assert "Traceback" not in stderr, stderr
+    assert "late import refused" not in stderr, stderr
 
 
 def test_dns_refusals_are_journaled_one_entry_per_crew_and_batch() -> None:

@@ -43,8 +43,25 @@ import dns.resolver  # noqa: E402
 
 __all__ = ["PRELOAD_MODULES", "Resolver"]
 
+
 # dnspython imports its record classes and its trio backend on first use; a worker must have
 # them before it drops privileges (proxycore/worker.py imports these).
+def _record_modules() -> tuple[str, ...]:
+    """Every record class dnspython has: a message it parses (an answer from a nameserver, or a
+    crew's query to its DNS responder, whose additional section can hold any type) imports the
+    class of each record it holds on first use."""
+    import dns.rdtypes.ANY
+    import dns.rdtypes.CH
+    import dns.rdtypes.IN
+
+    packages = (dns.rdtypes.ANY, dns.rdtypes.IN, dns.rdtypes.CH)
+    # dnspython looks a type up in the record's class first (dns.rdtypes.IN.TXT), then in ANY:
+    # every name under every class, so that the ones that do not exist are known not to (the
+    # worker's import guard then refuses them silently, as before the drop).
+    names = sorted({name for package in packages for name in package.__all__})
+    return tuple(f"{package.__name__}.{name}" for package in packages for name in names)
+
+
 PRELOAD_MODULES = (
     "dns.asyncbackend",
     "dns._trio_backend",
@@ -59,6 +76,7 @@ PRELOAD_MODULES = (
     # dns.message imports it to read a message whose opcode is UPDATE: a hostile nameserver
     # can send one.
     "dns.update",
+    *_record_modules(),
 )
 
 
