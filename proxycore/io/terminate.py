@@ -75,8 +75,8 @@ class TerminatedStream(PlainStream):
     after the handshake is the peer's doing: trio.BrokenResourceError, as a reset socket is.
     """
 
-    __slots__ = ("_closing", "_incoming", "_outgoing", "_unsent", "bytes_down", "bytes_up",
-                 "plain", "tls", "writer_flushes")  # fmt: skip
+    __slots__ = ("_closing", "_ended", "_incoming", "_outgoing", "_unsent", "bytes_down",
+                 "bytes_up", "plain", "tls", "writer_flushes")  # fmt: skip
 
     def __init__(self, plain: PlainStream, context: ssl.SSLContext, prefix: bytes) -> None:
         # No socket of its own (PlainStream's __init__ is not called): every method is
@@ -89,6 +89,9 @@ class TerminatedStream(PlainStream):
         # cannot await: sent before the next operation that can.
         self._unsent = b""
         self._closing = False
+        # The agent's end of stream (TCP EOF fed to the BIO, or close_notify read): from then on
+        # reads go to the TLS object, which answers it again, not to the socket.
+        self._ended = False
         # Set when an HTTP/2 session serves the tunnel: its reads and writes run in different
         # tasks, and a read that sent the records it produced could put them in the middle of a
         # record a write has half sent. Those records then wait for the session's next write
@@ -128,13 +131,24 @@ class TerminatedStream(PlainStream):
             self.bytes_down += len(data)
             await self.plain.send_all(data)
 
+    def _starved(self) -> bool:
+        """Nothing received that is not decrypted, and nothing decrypted that is not read: a read
+        of the TLS object could only raise SSLWantReadError. Asked first because that exception
+        costs more than the check, and a keep-alive tunnel meets it at every request. (OpenSSL
+        takes one record at a time from the BIO: a part of a record it holds cannot complete
+        without new bytes.)"""
+        return not self._incoming.pending and not self._ended and not self.tls.pending()
+
     def _decrypted(self, max_bytes: int) -> bytes | None:
         """Plain text from what has arrived; None: a whole record is not there yet."""
+        if self._starved():
+            return None
         try:
             data = self.tls.read(max_bytes)
         except ssl.SSLWantReadError:
             data = None
         except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            self._ended = True
             data = b""
         except ssl.SSLError as exc:
             raise trio.BrokenResourceError(f"agent TLS: {exc.reason or exc}") from None
@@ -147,6 +161,7 @@ class TerminatedStream(PlainStream):
             self.bytes_up += len(raw)
             self._incoming.write(raw)
         else:
+            self._ended = True
             self._incoming.write_eof()
 
     def try_receive(self, max_bytes: int) -> bytes | None:
@@ -177,6 +192,10 @@ class TerminatedStream(PlainStream):
             self._feed(await self.plain.receive(RECV_SIZE))
 
     async def receive_after_wait(self, max_bytes: int) -> bytes:
+        # The peer cannot have answered yet: with nothing buffered and nothing to flush, skip
+        # the receive that `receive` would try first and wait for the socket.
+        if not self._closing and not self._unsent and self._starved():
+            self._feed(await self.plain.receive_after_wait(RECV_SIZE))
         return await self.receive(max_bytes)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:

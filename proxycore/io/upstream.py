@@ -381,24 +381,29 @@ class Dialer:
         if not tls:
             return UpstreamConnection(key, peer, PlainStream(sock), upstreams)
         connection = UpstreamConnection(key, peer, PlainStream(sock), upstreams)
-        transport = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
         context = self.tls_h2 if offer_h2 and self.tls_h2 is not None else self.tls
-        ssl_stream = trio.SSLStream(transport, context, server_hostname=host, https_compatible=True)
         try:
-            with trio.fail_after(self.connect_timeout):
-                await ssl_stream.do_handshake()
-        except trio.TooSlowError:
-            connection.close()
-            raise UpstreamError(f"TLS handshake with {host} timed out", status_hint=504) from None
-        except (trio.BrokenResourceError, ssl.SSLError) as exc:
-            connection.close()
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
-            raise UpstreamError(f"TLS with {host} failed: {cause}") from None
+            tls_sock = context.wrap_socket(
+                sock, server_hostname=host, do_handshake_on_connect=False
+            )
         except BaseException:
             connection.close()
             raise
-        connection.stream = TlsStream(ssl_stream, sock)
-        connection.alpn = ssl_stream.selected_alpn_protocol() or ""
+        # wrap_socket detached `sock` into `tls_sock`: from here on that is what closes.
+        stream = connection.stream = TlsStream(tls_sock)
+        try:
+            with trio.fail_after(self.connect_timeout):
+                await stream.handshake()
+        except trio.TooSlowError:
+            connection.close()
+            raise UpstreamError(f"TLS handshake with {host} timed out", status_hint=504) from None
+        except OSError as exc:  # ssl.SSLError (a refused certificate among them) or a reset
+            connection.close()
+            raise UpstreamError(f"TLS with {host} failed: {exc}") from None
+        except BaseException:
+            connection.close()
+            raise
+        connection.alpn = tls_sock.selected_alpn_protocol() or ""
         return connection
 
     async def connect_checked(
