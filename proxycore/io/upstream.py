@@ -334,21 +334,13 @@ class Dialer:
         changed: a pooled connection was checked under the former ones)."""
         upstreams = self.crews.get(crew)
         if upstreams is not None:
-            for idle in upstreams.idle.values():
-                for connection in idle:
-                    connection.close()
-            upstreams.idle.clear()
-            upstreams.idle_count = 0
+            _close_idle(upstreams)
 
     def forget_crew(self, crew: str) -> None:
         """Close a removed crew's idle connections (those in use close when their task ends)."""
         upstreams = self.crews.pop(crew, None)
         if upstreams is not None:
-            for idle in upstreams.idle.values():
-                for connection in idle:
-                    connection.close()
-            upstreams.idle.clear()
-            upstreams.idle_count = 0
+            _close_idle(upstreams)
 
     def discard_idle(self) -> None:
         for crew in list(self.crews):
@@ -456,3 +448,11 @@ def _refused(host: str, address: str, reason: str) -> PolicyDenied:
         host=host,
         rule=f"ssrf_{reason}",
     )
+
+
+def _close_idle(upstreams: CrewUpstreams) -> None:
+    for idle in upstreams.idle.values():
+        for connection in idle:
+            connection.close()
+    upstreams.idle.clear()
+    upstreams.idle_count = 0
