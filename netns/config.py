@@ -29,9 +29,9 @@ DEFAULT_POOL = "100.127.0.0/16"
 # is judged by the address it was sent to, before any DNAT rule of Docker or another tool could
 # rewrite it). -150 is the "mangle" priority; see nft(8), "CHAINS", standard priority names.
 DEFAULT_PRIORITY = -150
-# One below it: the capture chain (destination NAT of a crew's captured ports to the proxy)
-# runs at `priority - 1`, still after conntrack, so that the filter chain judges the captured
-# connection by its new destination, the proxy.
+# One below it: the capture chain's (the destination NAT of a crew's captured ports to the
+# proxy), which orders it before other nat chains (Docker's DNAT at -100) inside the kernel's
+# NAT hook, and must stay after conntrack.
 PRIORITY_RANGE = (-198, -101)
 # TCP ports whose connections from a crew to anywhere go to the proxy (transparent capture,
 # docs/netns.md "Transparent capture"): HTTP and HTTPS.

@@ -508,9 +508,11 @@ class Layout:
 
     def base_chain_spec(self, name: str) -> Json:
         if name == CAPTURE:
-            # Destination NAT one step before the filter chain: the crew's chain then judges
-            # a captured connection by where it now goes, the proxy on its gateway, and the
-            # proxy reads where it was going from conntrack (SO_ORIGINAL_DST).
+            # The kernel runs every nat chain inside its own NAT hook (at -100, after the
+            # crew's filter chain at `priority`, whatever this number says: see `_captured`);
+            # among the nat chains, this one comes first (before Docker's DNAT at -100), so a
+            # crew's captured connection goes to the proxy on its gateway, which reads where it
+            # was going from conntrack (SO_ORIGINAL_DST).
             return self._obj(
                 name=name, type="nat", hook="prerouting", prio=self.priority - 1, policy="accept"
             )
@@ -643,6 +645,17 @@ class Layout:
             "captured",
             (
                 _match(_meta("oif"), 0),
+                # Not to an address of the host itself: such a packet goes to local input, not
+                # forward, and this table has no input chain, so without the NAT (its capture
+                # chain gone) it would reach whatever listens there on 80 or 443. The host's
+                # services are for no crew (their own allow rules aside, judged above).
+                {
+                    "match": {
+                        "op": "!=",
+                        "left": {"fib": {"result": "type", "flags": ["daddr"]}},
+                        "right": "local",
+                    }
+                },
                 _match(_payload("ip", "saddr"), plan.address),
                 _match(_payload("tcp", "dport"), ports),
                 _in(_ct("state"), ["new", "established"]),

@@ -346,6 +346,7 @@ class ProxyRuntime:
         policy = crew.policy
         changed = grants != policy.grants or denied != policy.denied
         policy.grants, policy.denied = grants, denied
+        policy.changed()
         return control.ControlReply(ok=True, changed=changed)
 
     def crew_for(self, local_address: str) -> CrewState | None:
@@ -367,7 +368,7 @@ class ProxyRuntime:
         before = crew.policy.net
         crew.guard = CrewReach(ranges, rules) if ranges is not None or rules else None
         crew.policy.net = rules
-        crew.policy.decisions.clear()
+        crew.policy.changed()
         changed = (before.allow, before.deny) != (rules.allow, rules.deny)
         if changed:
             # A pooled upstream connection was checked under the former rules and is reused

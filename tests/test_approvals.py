@@ -328,6 +328,12 @@ def test_the_state_keeps_grants_and_denials(tmp_path: Path) -> None:
         assert store.approvals_expire(200.0) == 2
         store.approval_delete("c", "b.test")
         assert store.approvals() == []
+        # Whatever deletes a crew's row deletes its approvals: a crew made again under the
+        # name (after reconcile removed a half-made one, say) inherits nothing.
+        store.approval_set("c", "once", "c.test", 900.0)
+        store.approval_set("d", "once", "d.test", 900.0)
+        store.delete("c")
+        assert store.approvals() == [("d", "once", "d.test", 900.0)]
     finally:
         store.close()
     # Created again at a start where it is missing; the schema version is not touched.
@@ -465,3 +471,13 @@ async def test_the_service_files_answers_pushes_and_reloads(tmp_path: Path) -> N
         with pytest.raises(InvalidRequest, match=named):
             await approvals.allow("c", decision)
     store.close()
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e400", "infs"])
+def test_a_duration_without_an_end_is_refused(text: str) -> None:
+    import argparse
+
+    from appliance.ctl.approvals import positive_duration
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_duration(text)

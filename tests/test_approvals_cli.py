@@ -193,6 +193,9 @@ def test_approvals_through_a_real_daemon(appliance: Appliance, plain_host: FakeS
     assert bad_deny.returncode == exits.USAGE and "argument host" in bad_deny.stderr
     zero = app.ctl("approvals", "allow", crew, "x.test", "--once", "--for", "0")
     assert zero.returncode == exits.USAGE and "argument --for" in zero.stderr
+    for endless in ("inf", "nan", "1e400"):  # float() reads them; no grant without an end
+        done = app.ctl("approvals", "allow", crew, "x.test", "--once", "--for", endless)
+        assert done.returncode == exits.USAGE and "argument --for" in done.stderr, done
     words = app.ctl("approvals", "allow", crew, "x.test", "--once", "--for", "soon")
     assert words.returncode == exits.USAGE and "argument --for" in words.stderr
     long = app.ctl("approvals", "allow", crew, "x.test", "--once", "--for", "90d")

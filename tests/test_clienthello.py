@@ -135,8 +135,11 @@ def test_lengths_that_lie_are_malformed_not_a_wait() -> None:
     assert isinstance(read_client_hello(mixed), Malformed)
 
 
-def test_encrypted_client_hello_is_reported() -> None:
-    reading = read_client_hello(records(hello_message([sni(b"relay.test"), (0xFE0D, b"x")]), 512))
+@pytest.mark.parametrize("kind", [0xFE0D, 0xFE0A, 0xFE08, 0xFFCE])
+def test_encrypted_client_hello_is_reported(kind: int) -> None:
+    """The final codepoint, earlier drafts' and the older ESNI's: the name in the clear is a
+    relay's, never the destination."""
+    reading = read_client_hello(records(hello_message([sni(b"relay.test"), (kind, b"x")]), 512))
     assert isinstance(reading, ClientHello) and reading.ech and reading.server_name == "relay.test"
 
 

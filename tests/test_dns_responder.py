@@ -233,6 +233,22 @@ def test_cached_nxdomain_is_forgotten_when_the_allowlist_grows():
     assert r.handle(query("new.example.com"), 2.0).verdict is Verdict.RESOLVE
 
 
+def test_cached_answers_and_refusals_follow_grants_and_denials():
+    """An approval granted (or a denial, or address rules) changes what the policy answers
+    without growing the allowlist: the cached NXDOMAIN goes, and so does a cached answer."""
+    r = responder()
+    assert rcode(r.handle(query("granted.example.com"), 1.0)) == "NXDOMAIN"
+    r.policy.grants = {"granted.example.com": 1e12}
+    r.policy.changed()
+    resolve(r, "granted.example.com", ["93.184.216.34"], now=2.0)
+    assert rcode(r.handle(query("granted.example.com"), 3.0)) == "NOERROR"
+    # The grant withdrawn by the operator (a denial): refused at the next batch.
+    r.policy.grants = {}
+    r.policy.denied = {"granted.example.com": 1e12}
+    r.policy.changed()
+    assert rcode(r.handle(query("granted.example.com"), 4.0)) == "NXDOMAIN"
+
+
 def test_the_cache_is_bounded():
     r = responder(NetworkMode.FREE, limits=DnsLimits(names_burst=1e6, cache_entries=16))
     for i in range(100):

@@ -225,3 +225,29 @@ def test_dns_refusals_are_journaled_one_entry_per_crew_and_batch() -> None:
     assert "41 queries" in first.summary()
     assert second.summary() == "dns refused TXT y.test (qtype) -> REFUSED"
     assert E.decode(E.encode(first)) == first
+
+
+def test_a_taken_dns_port_refuses_the_crew_instead_of_exposing_another_server() -> None:
+    """Another DNS server on the gateway's port 53 would answer (and recurse for) the crew,
+    whose rules let it reach that port: applianced refuses to serve the crew (fail closed),
+    saying why, and leaves nothing bound."""
+    import os
+
+    import pytest
+
+    from appliance.daemon.errors import Unavailable
+    from appliance.daemon.proxy import ProxyPool
+
+    if os.geteuid() != 0:
+        pytest.skip("binding port 53 needs root")
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    squatter.bind(("127.0.0.77", 53))
+    try:
+        with pytest.raises(Unavailable, match=r"127\.0\.0\.77:53.*\[net\] dns = false"):
+            ProxyPool.bind_dns(None, "127.0.0.77")  # type: ignore[arg-type]
+    finally:
+        squatter.close()
+    # With the port free again, both sockets bind (nothing was left half bound before).
+    udp, tcp = ProxyPool.bind_dns(None, "127.0.0.77")  # type: ignore[arg-type]
+    udp.close()
+    tcp.close()

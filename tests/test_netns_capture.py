@@ -86,6 +86,9 @@ def world(tmp_path: Path) -> Iterator[World]:
         internet = lab.wire("inet", INTERNET_GATEWAY, INTERNET_HOST)
         for port in (80, 443, 8080):
             lab.listener.tcp(INTERNET_HOST, port, netns=internet, label=f"tcp/{port}")
+        # A service of the host itself on port 80 (the host's address on the lab's wire): no
+        # crew reaches it, captured or not.
+        lab.listener.tcp(INTERNET_GATEWAY, 80, label="host/80")
         standin = StandIn()
         try:
             yield World(lab, lab.namespace("crewa"), lab.namespace("crewb"), standin)
@@ -160,13 +163,23 @@ def test_a_deleted_capture_chain_is_restored_and_capture_can_be_off(world: World
         a = net.attach("crew-a", f"/run/netns/{world.crew_a}")
         world.standin.serve(a.gateway, lab.port)
         chain = f"capture_{a.ifname}"
+        # Captured or not, the host's own service on 80 is out of reach (no input chain here:
+        # the filter must not let such a packet on towards a NAT that sends it elsewhere).
+        assert results(world.crew_a, [Probe("tcp", INTERNET_GATEWAY, 80)]) == {
+            f"tcp {INTERNET_GATEWAY}:80": "timeout"
+        }
         subprocess.run(
             ["nft", "delete", "element", "inet", lab.table, "crew_capture", f"{{ {a.ifname} }}"],
             check=True,
         )
         subprocess.run(["nft", "flush", "chain", "inet", lab.table, chain], check=True)
-        assert results(world.crew_a, [Probe("tcp", INTERNET_HOST, 80)]) == {
-            f"tcp {INTERNET_HOST}:80": "timeout"  # without its capture: dropped, fail closed
+        assert results(
+            world.crew_a, [Probe("tcp", INTERNET_HOST, 80), Probe("tcp", INTERNET_GATEWAY, 80)]
+        ) == {
+            # Without its capture: dropped, fail closed, both to the internet (in forward) and
+            # to the host's own address (the captured rule never takes it).
+            f"tcp {INTERNET_HOST}:80": "timeout",
+            f"tcp {INTERNET_GATEWAY}:80": "timeout",
         }
         report = net.reconcile()
         assert "restored rules" in report.actions(), report
@@ -179,4 +192,4 @@ def test_a_deleted_capture_chain_is_restored_and_capture_can_be_off(world: World
         assert results(world.crew_a, [Probe("tcp", INTERNET_HOST, 80)]) == {
             f"tcp {INTERNET_HOST}:80": "timeout"
         }
-    assert not [label for label in lab.listener.labels() if label == "tcp/80"]
+    assert not [label for label in lab.listener.labels() if label in ("tcp/80", "host/80")]

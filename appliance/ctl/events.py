@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -33,6 +34,10 @@ def parse_duration(text: str) -> float:
         seconds = float(number) * DURATION_UNITS[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30s, 5m, 2h)") from None
+    if not math.isfinite(seconds):
+        # float() reads "inf", "nan" and "1e400" too; none is a duration (JSON has no such
+        # number: it would travel as null, which means "the default" to applianced).
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30s, 5m, 2h)")
     if seconds < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
     return seconds

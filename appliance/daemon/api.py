@@ -178,7 +178,12 @@ class Handlers:
 
     async def create_crew(self, request: Request) -> _Reply:
         crews = self.daemon.crews
-        row = await crews.create(decode(request.body, messages.CreateCrew))
+        create = decode(request.body, messages.CreateCrew)
+        if crews.store.get(create.name) is None:
+            # A new crew starts with no grant or denial, whatever a former crew of that name
+            # (removed by reconcile or a rolled-back create) left in applianced's memory.
+            self.daemon.approvals.forget_crew(create.name)
+        row = await crews.create(create)
         return _Reply(201, await crews.info(row))
 
     async def crew(self, request: Request) -> _Reply:

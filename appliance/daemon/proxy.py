@@ -515,10 +515,12 @@ class ProxyPool:
             raise Unavailable(f"cannot listen on {gateway}:{self.port}: {exc.strerror}") from None
         return sock
 
-    def bind_dns(self, gateway: str) -> tuple[socket.socket, socket.socket] | None:
+    def bind_dns(self, gateway: str) -> tuple[socket.socket, socket.socket]:
         """A UDP socket and a listening TCP socket on the crew's gateway, port 53 (root binds;
-        the workers serve the crew's DNS responder on them), or None if the port is taken: the
-        crew then has no DNS from us, as before, and a warning names the gateway."""
+        the workers serve the crew's DNS responder on them). Unavailable if the port is taken:
+        the crew's nftables rules let it reach its gateway's port 53, where another DNS server
+        bound to every address of the host would answer it, recursing for it (a way out for
+        anything a query can carry), so the crew is not served at all (fail closed)."""
         family = socket.AF_INET6 if ":" in gateway else socket.AF_INET
         udp = socket.socket(family, socket.SOCK_DGRAM)
         tcp = socket.socket(family, socket.SOCK_STREAM)
@@ -530,14 +532,12 @@ class ProxyPool:
         except OSError as exc:
             udp.close()
             tcp.close()
-            log.warning(
-                "cannot serve DNS on %s:%d (%s): another DNS server may own it; the crew gets "
-                "no DNS from the appliance",
-                gateway,
-                DNS_PORT,
-                exc.strerror or exc,
-            )
-            return None
+            raise Unavailable(
+                f"cannot serve the crew's DNS on {gateway}:{DNS_PORT} ({exc.strerror or exc}): "
+                "another DNS server listens on this host's addresses; bind it to its own "
+                "addresses only, or set [net] dns = false (crews then have no DNS, and port 53 "
+                "stays dropped)"
+            ) from None
         return udp, tcp
 
     def resolv_conf(self, name: str) -> Path | None:
@@ -568,7 +568,11 @@ class ProxyPool:
 
     async def add_crew(self, entry: CrewEntry) -> None:
         listener = self.bind(entry.gateway)
-        dns = self.bind_dns(entry.gateway) if self.dns else None
+        try:
+            dns = self.bind_dns(entry.gateway) if self.dns else None
+        except BaseException:
+            listener.close()
+            raise
         try:
             async with self.lock:
                 self.listeners[entry.name] = listener

@@ -375,7 +375,16 @@ class StateStore:
         )
 
     def delete(self, name: str) -> None:
-        self.db.execute("DELETE FROM crews WHERE name=?", (name,))
+        """The crew's row, and its approvals with it: whatever deletes a row (a removal, a
+        create rolled back, reconcile), a crew made again under the name starts with none."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("DELETE FROM crews WHERE name=?", (name,))
+            self.db.execute("DELETE FROM approvals WHERE crew=?", (name,))
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     # -- run-time approvals (approvals.py) ----------------------------------------------------
 

@@ -466,6 +466,11 @@ class ClientConnection:
             # Too late for an answer: the connection can only end.
             self._finish_unanswered(f"refused after the response began: {plan.event.rule}")
             return b""
+        captured = self.transparent
+        if captured is not None and captured.tls and self.terminated is None and not plan.close:
+            # A TLS client refused with an alert (a fair-share wait, say) cannot go on: what
+            # is buffered is its ClientHello, not a next request.
+            plan = msgspec.structs.replace(plan, close=True)
         progress = self.progress
         if (
             not plan.close

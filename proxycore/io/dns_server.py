@@ -5,8 +5,9 @@ Theory of operation
 applianced binds the crew's gateway port 53 as root (UDP, and a listening TCP socket) and gives
 the sockets to a `DnsServer` built around the crew's `DnsResponder` (the sans-IO decisions,
 proxycore/protocol/dns_responder.py), an async `resolve(name)` (the proxy's resolver:
-`proxy_resolve`) and an async `before_answer(crew, addresses, ttl)` hook (where applianced adds
-the addresses to the crew's nftables set, for at least `ttl` seconds). `serve` runs until
+`proxy_resolve`) and an async `before_answer(crew, addresses, ttl)` hook (the place for a kernel
+set of answered addresses; the appliance's workers pass one that does nothing, since an answer
+opens nothing there: docs/proxy.md "DNS"). `serve` runs until
 cancelled; removing a crew is cancelling its scope and closing its sockets.
 
 UDP: one task reads datagrams as long as the socket has any and answers what the responder

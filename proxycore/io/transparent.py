@@ -25,10 +25,12 @@ What the connection is for is read from its first bytes, never from the address 
 The host and the destination must agree: the original address has to be one the proxy itself
 resolves the name to (in its crew's policy and the SSRF guard). A connection to one address
 that names another host (an allowed name in the SNI or Host, toward an address the crew looked
-up elsewhere or made up: domain fronting, or a covert channel to an IP) is refused with
-`destination_mismatch`. The name is checked against the policy first, so a refused name is never
-resolved (no lookup leaks it). The proxy dials the address it resolved, which is the original
-one, so nothing reaches an address the name does not stand for.
+up elsewhere or made up) is refused with `destination_mismatch`. The name is checked against the
+policy first, so a refused name is never resolved (no lookup leaks it). The boundary itself is
+that the proxy dials the *name* (resolved again, checked again), never the captured address:
+nothing reaches an address the name does not stand for, whatever the crew aimed at. A name whose
+answers rotate between lookups (some CDNs) can fail the agreement check for a tool that got
+another of its addresses; the crew's own DNS (docs/proxy.md "DNS") asks the same resolver.
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ _RECORD_HANDSHAKE = 22
 _HANDSHAKE_CLIENT_HELLO = 1
 _EXT_SERVER_NAME = 0
 _EXT_ALPN = 16
-_EXT_ECH = 0xFE0D
+# Encrypted Client Hello (draft-ietf-tls-esni: 0xfe0d, earlier drafts 0xfe08-0xfe0c) and the
+# older ESNI (0xffce): the name in the clear is not the destination.
+_EXT_ECH = frozenset((*range(0xFE08, 0xFE0E), 0xFFCE))
 _NAME_TYPE_HOST = 0
 # RFC 1035 2.3.1 / RFC 1123 2.1 labels; the policy's normalizer decides the rest.
 _LDH_NAME = re.compile(
@@ -228,7 +230,7 @@ def _hello(body: bytes, length: int) -> ClientHello:
             name = _server_name(data)
         elif kind == _EXT_ALPN:
             alpn = _alpn(data)
-        elif kind == _EXT_ECH:
+        elif kind in _EXT_ECH:
             ech = True
     return ClientHello(name, ech, alpn, length)
 

@@ -11,8 +11,9 @@ the crew writes in a query reaches a nameserver except a name the policy allows,
 - `ANSWER`: send `wire` now (a refusal, an empty answer, a cached answer, a synthetic address);
 - `RESOLVE`: the IO layer resolves `resolution.name` (A and AAAA at once, with the proxy's
   resolver), then calls `resolved(resolution, addresses, now)`, which returns an `Answer`; the IO
-  layer awaits its `before_answer` hook with `answer.addresses` (where applianced adds them to the
-  crew's nftables set, with a timeout of at least `answer.ttl`), then calls `remember(answer, now)`
+  layer awaits its `before_answer` hook with `answer.addresses` (the place for a kernel set of
+  answered addresses, with a timeout of at least `answer.ttl`; the appliance's wiring opens
+  nothing per answer: docs/proxy.md "DNS"), then calls `remember(answer, now)`
   and sends `answer.wire`. If resolution or the hook fails: `failed(resolution, now)` (SERVFAIL);
 - `DROP`: send nothing (not even a DNS header, a response, or the crew over its query rate).
 Every refusal carries a `DnsRefusal` for the journal.
@@ -154,7 +155,10 @@ class DnsLimits:
     # by us.
     ttl: int = 60
     fail_ttl: int = 5
-    cache_entries: int = 4096
+    # Answers and refusals remembered per crew and worker (each holds its question, its answer
+    # and, for the hottest, the bytes of a whole reply): a crew asking thousands of distinct
+    # names must not make every worker hold megabytes for it.
+    cache_entries: int = 512
     synthetic_entries: int = 4096
 
 
@@ -411,8 +415,9 @@ class DnsResponder:
         # (the TTL ticks down a second, or one second at most for a refusal), and the whole
         # dict is dropped when it reaches the cache's size.
         self._hot: dict[bytes, tuple[float, bytes, DnsRefusal | None]] = {}
-        # The allowlist only grows (CrewPolicy.allow); a cached NXDOMAIN must not outlive it.
-        self._allowlist_size = len(policy.allowlist)
+        # What the policy answers changes (`crew allow`, an approval granted, denied or ended by
+        # the operator, address rules): no cached answer or refusal outlives that.
+        self._generation = policy.generation
         self._dropped = 0
         self._dropped_reported_at = -math.inf
 
@@ -426,14 +431,12 @@ class DnsResponder:
                 tokens = bucket.tokens + (now - bucket.stamp) * bucket.rate
                 bucket.tokens = tokens if tokens < bucket.burst else bucket.burst
             bucket.stamp = now
-            # The allowlist only grows (CrewPolicy.allow), so what it makes stale is a cached
-            # refusal, never an answer: checking once per distinct `now` (the server reads the
-            # clock once per batch of datagrams) is soon enough, and keeps a method call off
-            # every query.
-            if len(self.policy.allowlist) != self._allowlist_size:
+            # Checked once per distinct `now` (the server reads the clock once per batch of
+            # datagrams): soon enough, and it keeps an attribute read off every query.
+            if self.policy.generation != self._generation:
                 self._cache.clear()
                 self._hot.clear()
-                self._allowlist_size = len(self.policy.allowlist)
+                self._generation = self.policy.generation
         if bucket.tokens < 1.0:
             return self._rate_limited(now)
         bucket.tokens -= 1.0

@@ -494,6 +494,10 @@ class CrewPolicy:
     # Seconds an approval request stays pending (None: approvals are off for this proxy).
     approval_window: float | None = None
     clock: Callable[[], float] = time.time
+    # Bumped by every change of what `decide` answers (the allowlist, grants and denials, the
+    # address rules): whoever remembers decisions elsewhere (the crew's DNS responder) compares
+    # it with the value it saw, and forgets them when it moved.
+    generation: int = 0
 
     def decide(self, host: str, port: int) -> EgressDecision:
         key = (host, port)
@@ -521,5 +525,10 @@ class CrewPolicy:
 
     def allow(self, host: str) -> bool:
         added = self.allowlist.add(host)
-        self.decisions.clear()
+        self.changed()
         return added
+
+    def changed(self) -> None:
+        """What `decide` answers changed (see `generation`)."""
+        self.decisions.clear()
+        self.generation += 1
