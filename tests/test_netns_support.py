@@ -63,10 +63,29 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), capture_output=True, text=True, check=check)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        return int(sock.getsockname()[1])
+    """A port the lab's listeners bind on every address later, taken from below the kernel's
+    ephemeral range: a port the kernel handed out (port 0) is one it may hand again at once to
+    another test's outgoing connection, and the listener's bind on 0.0.0.0 then fails."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def in_namespace(path: str, work):  # type: ignore[no-untyped-def]
