@@ -214,7 +214,7 @@ def test_rendered_unit(rendered: Path) -> None:
 
 
 # The figure docs/systemd.md reports; the target is at most 5.0 (10 is a unit with no sandbox).
-UNIT_EXPOSURE = 3.7
+UNIT_EXPOSURE = 3.8
 MAX_EXPOSURE = 5.0
 
 
