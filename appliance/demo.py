@@ -58,7 +58,9 @@ from netns.addressing import naming
 
 ROOT = Path(__file__).resolve().parents[1]
 # An embedded, obviously fake key: the appliance holds it, the agent never sees it.
-DEMO_KEY = "sk-ant-api03-DEMO-held-by-the-appliance-000000000000"
+# No word in it: the scrubber redacts any long enough piece of a held key wherever it appears,
+# and "appliance" inside the key made it redact the word in the proxy's own refusals.
+DEMO_KEY = "sk-ant-api03-DEMO7kQ2xV9mR4tB8nW3zL6pH1cJ5fGa8Ys0000"
 # What an agent might send on its own: the proxy drops it before injecting the appliance's.
 AGENT_KEY = "sk-agent-dummy"
 PROVIDER_HOST = "api.anthropic.test"

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from appliance.demo import DEMO_KEY
 from tests.conftest import ROOT, needs
 
 pytestmark = pytest.mark.docker
@@ -53,7 +54,7 @@ def test_demo_tour_passes_and_says_what_it_shows() -> None:
     assert "proxy.allow x" in out and "credential.injected x" in out
     assert "demo: all 17 steps behaved as expected" in out
     # The demo key itself is never printed, only a masked form of it.
-    assert "sk-ant-api03-DEMO-held-by-the-appliance-000000000000" not in out
+    assert DEMO_KEY not in out and "[REDACTED:anthropic]ctl" not in out
 
 
 def test_demo_json_report() -> None:

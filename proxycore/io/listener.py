@@ -371,7 +371,12 @@ async def _serve_dns(
     )
     with udp, tcp, trio.CancelScope() as scope:
         task_status.started(scope)
-        await server.serve(udp, tcp)
+        try:
+            await server.serve(udp, tcp)
+        except Exception:
+            # The server contains each query's failures; one that escapes it anyway (a bug)
+            # ends this crew's DNS, never the worker and every other crew with it.
+            log.exception("proxy: crew %s's DNS stopped on an unexpected error", crew.name)
 
 
 async def _serve_listener(
